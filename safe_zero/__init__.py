@@ -1,0 +1,46 @@
+"""safe_zero: DeepSpeed ZeRO for models with zero-sized, gradient-less and grouped_mm parameters.
+
+Public API:
+    initialize(...)        drop-in for ``deepspeed.initialize`` (same arguments, same tuple).
+    install()/uninstall()  route every ``deepspeed.initialize`` in the process through safe_zero.
+    SafeZeroOptions        the ``"safe_zero"`` block of a DeepSpeed config.
+    FIXES                  the defects safe_zero corrects, by name.
+"""
+
+from safe_zero._compat import SUPPORTED_DEEPSPEED, SafeZeroError, UnsupportedDeepSpeedError
+from safe_zero.fixes import FIXES, Fix
+from safe_zero.injection import (
+    DeepSpeedDriftError,
+    InjectionError,
+    UnreachableModeError,
+    initialize,
+    install,
+    is_installed,
+    uninstall,
+    verify_bindings,
+)
+from safe_zero.options import SafeZeroConfigError, SafeZeroOptions
+from safe_zero.session import Session
+
+__version__ = "0.1.0"
+
+verify_bindings()
+
+__all__ = [
+    "FIXES",
+    "SUPPORTED_DEEPSPEED",
+    "DeepSpeedDriftError",
+    "Fix",
+    "InjectionError",
+    "SafeZeroConfigError",
+    "SafeZeroError",
+    "SafeZeroOptions",
+    "Session",
+    "UnreachableModeError",
+    "UnsupportedDeepSpeedError",
+    "initialize",
+    "install",
+    "is_installed",
+    "uninstall",
+    "verify_bindings",
+]

@@ -1,0 +1,16 @@
+"""One module per DeepSpeed defect. Each declares a :class:`Fix` and the mixins that correct it.
+
+``FIXES`` lists them by the name used in the ``"safe_zero": {"fixes": {...}}`` config block.
+"""
+
+from __future__ import annotations
+
+from safe_zero.fixes import gradless_params, zero_element_groups
+from safe_zero.fixes._base import Fix
+
+FIXES: dict[str, Fix] = {
+    module.FIX.name: module.FIX
+    for module in (zero_element_groups, gradless_params)
+}
+
+__all__ = ["FIXES", "Fix"]

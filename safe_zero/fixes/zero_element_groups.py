@@ -1,0 +1,52 @@
+"""Zero-element parameters inside the optimizer wrappers' flat groups (DeepSpeed < 0.19.8).
+
+Every wrapper that flattens its parameter groups (``FP16_Optimizer``, ``BF16_Optimizer``,
+``DeepSpeedZeroOptimizer``) used to take zero-element trainable parameters into its flat
+buffers. That fails three ways, depending on the release and the torch build: rebinding the
+parameter to its slice loses its shape (``(0, 8)`` -> ``(0,)``, where torch's
+``unflatten_dense_tensors`` returns ``zeros({0})``), ZeRO-1/2 gradient reduction raises
+``KeyError`` in ``average_tensor`` (< 0.19.6), and ZeRO-2 HP-fragment mapping asserts
+``fragment start N should be < fragment_end N`` (0.18.x). DeepSpeed 0.19.8 fixed all of
+it by leaving such parameters out of every optimizer group (``is_optimized_parameter``);
+this fix does the same on older releases. A zero-element parameter has nothing to optimize,
+so leaving it out loses no state; the module's ``state_dict`` still carries it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from packaging.specifiers import SpecifierSet
+
+from safe_zero.fixes._base import Fix
+from safe_zero.session import session_for
+
+FIX = Fix(
+    name="zero_element_groups",
+    summary="keep zero-element parameters out of the fp16/bf16/ZeRO-1/2 flat groups",
+    needed_on=SpecifierSet("<0.19.8"),
+)
+
+
+def drop_zero_element_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Remove zero-element trainable parameters from ``optimizer``'s groups; return them."""
+    dropped = []
+    for group in optimizer.param_groups:
+        kept = []
+        for param in group["params"]:
+            (dropped if param.requires_grad and param.numel() == 0 else kept).append(param)
+        group["params"] = kept
+    return dropped
+
+
+class ExcludeZeroElementParams:
+    """Mixin for the flattening wrappers: filters the groups before DeepSpeed flattens them."""
+
+    def __init__(self, init_optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        session = session_for(self)
+        if session.uses(FIX) and init_optimizer is not None:
+            dropped = drop_zero_element_params(init_optimizer)
+            if dropped:
+                session.engaged(FIX, f"{len(dropped)} zero-element parameter(s) kept out of {type(self).__name__}")
+        super().__init__(init_optimizer, *args, **kwargs)

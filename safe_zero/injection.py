@@ -1,0 +1,217 @@
+"""Scoped injection of safe_zero's subclasses into ``deepspeed.initialize``.
+
+DeepSpeed looks its wrapper classes up as module globals at call time (REFERENCE §2), so
+rebinding those globals for the duration of one ``deepspeed.initialize`` call, under a lock,
+and restoring them in ``finally`` reaches every wrapper while leaving any other
+``deepspeed.initialize`` in the process stock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import deepspeed
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from safe_zero import wrappers
+from safe_zero._compat import SUPPORTED_DEEPSPEED, SafeZeroError, check_deepspeed_supported
+from safe_zero.options import SafeZeroOptions
+from safe_zero.session import Session, set_current_session
+
+
+class DeepSpeedDriftError(SafeZeroError):
+    """A DeepSpeed name safe_zero rebinds is missing or is not the class it expects."""
+
+
+class UnreachableModeError(SafeZeroError):
+    """The config selects a DeepSpeed mode whose classes safe_zero's injection cannot reach."""
+
+
+class InjectionError(SafeZeroError):
+    """``initialize`` returned an engine that is not running safe_zero's classes."""
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A module global DeepSpeed reads at call time, and the safe subclass bound there during initialize."""
+
+    module: str
+    name: str
+    safe: type
+
+    @property
+    def stock(self) -> type:
+        return self.safe.__bases__[-1]
+
+    def where(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+BINDINGS: tuple[Binding, ...] = (
+    Binding("deepspeed.runtime.engine", "FP16_Optimizer", wrappers.SafeFP16_Optimizer),
+    Binding("deepspeed.runtime.engine", "FP16_UnfusedOptimizer", wrappers.SafeFP16_UnfusedOptimizer),
+    Binding("deepspeed.runtime.engine", "BF16_Optimizer", wrappers.SafeBF16_Optimizer),
+    Binding("deepspeed.runtime.engine", "DeepSpeedZeroOptimizer", wrappers.SafeDeepSpeedZeroOptimizer),
+    Binding("deepspeed.runtime.engine", "DeepSpeedZeRoOffload", wrappers.SafeDeepSpeedZeRoOffload),
+    Binding("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", wrappers.SafeDeepSpeedZeroOptimizer_Stage3),
+    Binding("deepspeed.runtime.zero.stage3", "DeepSpeedZeRoOffload", wrappers.SafeDeepSpeedZeRoOffload),
+    Binding("deepspeed.runtime.zero.parameter_offload", "PartitionedParameterCoordinator",
+            wrappers.SafePartitionedParameterCoordinator),
+    # The pipeline engine tests `type(optimizer) == BF16_Optimizer`; an exact-type check needs the swap too.
+    Binding("deepspeed.runtime.pipe.engine", "BF16_Optimizer", wrappers.SafeBF16_Optimizer),
+)
+
+
+def verify_bindings(bindings: tuple[Binding, ...] = BINDINGS) -> None:
+    """Raise :class:`DeepSpeedDriftError` if DeepSpeed no longer has a name where safe_zero expects it."""
+    check_deepspeed_supported()
+    for binding in bindings:
+        module = importlib.import_module(binding.module)
+        found = getattr(module, binding.name, None)
+        if found is not binding.stock:
+            raise DeepSpeedDriftError(
+                f"{binding.where()} is {found!r}, expected DeepSpeed's {binding.stock.__qualname__}. "
+                f"This DeepSpeed ({deepspeed.__version__}) has drifted from what safe_zero supports "
+                f"({SUPPORTED_DEEPSPEED}); install a supported release.")
+
+
+_LOCK = threading.RLock()
+_STOCK_INITIALIZE = deepspeed.initialize
+_STOCK_SIGNATURE = inspect.signature(_STOCK_INITIALIZE)
+
+
+@contextlib.contextmanager
+def injected(session: Session, bindings: tuple[Binding, ...] = BINDINGS) -> Iterator[None]:
+    """Bind the safe subclasses and make ``session`` current; restore everything on exit."""
+    with _LOCK:
+        saved = []
+        try:
+            for binding in bindings:
+                module = importlib.import_module(binding.module)
+                saved.append((module, binding.name, getattr(module, binding.name)))
+                setattr(module, binding.name, binding.safe)
+            set_current_session(session)
+            yield
+        finally:
+            set_current_session(None)
+            for module, name, original in reversed(saved):
+                setattr(module, name, original)
+
+
+def resolve_config(arguments: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The DeepSpeed config ``deepspeed.initialize`` will use, as a dict, from its bound arguments."""
+    config = arguments.get("config") or arguments.get("config_params")
+    if config is None:
+        args = arguments.get("args")
+        config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is None or isinstance(config, Mapping):
+        return dict(config) if config is not None else None
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            text = f.read()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            import hjson  # DeepSpeed's own config reader; accepts what DeepSpeed accepts.
+            return dict(hjson.loads(text))
+    # DeepSpeedConfig objects and the like: DeepSpeed validates those itself.
+    return getattr(config, "_param_dict", None)
+
+
+def check_reachable(config: Mapping[str, Any] | None) -> None:
+    """Refuse modes that build classes safe_zero cannot swap, instead of running them stock."""
+    if not config:
+        return
+    zero = config.get("zero_optimization") or {}
+    offload_optimizer = zero.get("offload_optimizer") or {}
+    unreachable = []
+    if zero.get("zenflow"):
+        unreachable.append("ZenFlow (zero_optimization.zenflow)")
+    if offload_optimizer.get("super_offload"):
+        unreachable.append("SuperOffload (zero_optimization.offload_optimizer.super_offload)")
+    if (config.get("compile") or {}).get("deepcompile"):
+        unreachable.append("DeepCompile (compile.deepcompile)")
+    if unreachable:
+        raise UnreachableModeError(
+            f"safe_zero cannot inject its fixes into {', '.join(unreachable)}: DeepSpeed binds those classes at "
+            "import time. Turn the mode off to train with safe_zero, or call deepspeed.initialize directly to "
+            "run stock DeepSpeed (without safe_zero's fixes).")
+
+
+_STOCK_WRAPPERS = (FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer,
+                   DeepSpeedZeroOptimizer_Stage3)
+
+
+def verify_engine(engine: Any) -> None:
+    """Raise if the engine's optimizer wrapper is a stock DeepSpeed class rather than safe_zero's."""
+    optimizer = getattr(engine, "optimizer", None)
+    if isinstance(optimizer, _STOCK_WRAPPERS) and not isinstance(optimizer, wrappers.SAFE_CLASSES):
+        raise InjectionError(
+            f"deepspeed.initialize built a stock {type(optimizer).__qualname__} although safe_zero was asked for. "
+            "A DeepSpeed mode bypassed the injection; please report this configuration.")
+
+
+def _log_report(session: Session) -> None:
+    from deepspeed.utils import log_dist
+
+    from safe_zero.fixes import FIXES
+
+    on = [name for name, fix in FIXES.items() if session.uses(fix)]
+    acted = ", ".join(f"{name} ({'; '.join(what)})" for name, what in session.report.items()) or "none yet"
+    log_dist(f"safe_zero: fixes on for DeepSpeed {deepspeed.__version__}: {', '.join(on) or 'none'}; "
+             f"engaged at initialize: {acted}", ranks=[0])
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple:
+    """``deepspeed.initialize`` with safe_zero's corrected classes; same arguments, same return tuple.
+
+    The ``"safe_zero"`` block of the DeepSpeed config (see :class:`safe_zero.SafeZeroOptions`)
+    selects fixes. The engine keeps the session as ``engine.safe_zero_session``.
+    """
+    arguments = _STOCK_SIGNATURE.bind(*args, **kwargs).arguments
+    config = resolve_config(arguments)
+    session = Session(options=SafeZeroOptions.from_config(config))
+    check_reachable(config)
+    with injected(session):
+        result = _STOCK_INITIALIZE(*args, **kwargs)
+    engine = result[0]
+    verify_engine(engine)
+    engine.safe_zero_session = session
+    _log_report(session)
+    return result
+
+
+initialize.__signature__ = _STOCK_SIGNATURE  # type: ignore[attr-defined]
+
+
+def _installed_initialize(*args: Any, **kwargs: Any) -> tuple:
+    return initialize(*args, **kwargs)
+
+
+def install() -> None:
+    """Route every ``deepspeed.initialize`` in this process through :func:`initialize`. Idempotent."""
+    with _LOCK:
+        if deepspeed.initialize is not _installed_initialize:
+            deepspeed.initialize = _installed_initialize
+
+
+def uninstall() -> None:
+    """Restore the stock ``deepspeed.initialize`` exactly. Idempotent."""
+    with _LOCK:
+        if deepspeed.initialize is _installed_initialize:
+            deepspeed.initialize = _STOCK_INITIALIZE
+
+
+def is_installed() -> bool:
+    return deepspeed.initialize is _installed_initialize

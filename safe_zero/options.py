@@ -1,0 +1,83 @@
+"""The ``"safe_zero"`` block of a DeepSpeed config, validated.
+
+DeepSpeed ignores unknown top-level config keys, so the block travels inside the same JSON
+(or dict) that every launcher already passes around::
+
+    {
+      "zero_optimization": {"stage": 3},
+      "safe_zero": {
+        "fixes": {"zero3_zero_element_params": "auto", "gradless_params": true},
+        "alignment": "auto",
+        "alignment_guard": true
+      }
+    }
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Union
+
+from safe_zero._compat import SafeZeroError
+
+Setting = Union[Literal["auto"], bool]
+
+CONFIG_KEY = "safe_zero"
+
+
+class SafeZeroConfigError(SafeZeroError, ValueError):
+    """The ``"safe_zero"`` config block is malformed."""
+
+
+@dataclass(frozen=True)
+class SafeZeroOptions:
+    """Options of the ``"safe_zero"`` config block.
+
+    Attributes:
+        fixes: per-fix switch, by fix name (see ``safe_zero.FIXES``). ``"auto"`` (the default for
+            every fix) turns a fix on exactly where the installed DeepSpeed has the defect;
+            ``true`` forces it on, ``false`` turns it off.
+        alignment: 16-byte alignment of grouped_mm expert weights. ``"auto"`` pads only when the
+            model has grouped_mm layers; ``true`` always; ``false`` never (with a warning when the
+            model needs it).
+        alignment_guard: check that the detected expert weights are 16-byte aligned after
+            initialize and after every optimizer step, and raise naming the parameter if not.
+    """
+
+    fixes: Mapping[str, Setting] = field(default_factory=dict)
+    alignment: Setting = "auto"
+    alignment_guard: bool = True
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None) -> "SafeZeroOptions":
+        """Read and validate the block from a whole DeepSpeed config (``None``: defaults)."""
+        from safe_zero.fixes import FIXES
+
+        block = (config or {}).get(CONFIG_KEY, {})
+        if block is None:
+            block = {}
+        if not isinstance(block, Mapping):
+            raise SafeZeroConfigError(f'"{CONFIG_KEY}" must be an object, got {type(block).__name__}')
+        allowed = {"fixes", "alignment", "alignment_guard"}
+        unknown = set(block) - allowed
+        if unknown:
+            raise SafeZeroConfigError(f'unknown key(s) {sorted(unknown)} in "{CONFIG_KEY}"; allowed: {sorted(allowed)}')
+
+        fixes = block.get("fixes", {}) or {}
+        if not isinstance(fixes, Mapping):
+            raise SafeZeroConfigError(f'"{CONFIG_KEY}.fixes" must map fix names to "auto", true or false')
+        for name, setting in fixes.items():
+            if name not in FIXES:
+                raise SafeZeroConfigError(f'unknown fix {name!r} in "{CONFIG_KEY}.fixes"; known fixes: {sorted(FIXES)}')
+            _check_setting(f"{CONFIG_KEY}.fixes.{name}", setting)
+        alignment = block.get("alignment", "auto")
+        _check_setting(f"{CONFIG_KEY}.alignment", alignment)
+        guard = block.get("alignment_guard", True)
+        if not isinstance(guard, bool):
+            raise SafeZeroConfigError(f'"{CONFIG_KEY}.alignment_guard" must be true or false, got {guard!r}')
+        return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard)
+
+
+def _check_setting(where: str, value: Any) -> None:
+    if value != "auto" and not isinstance(value, bool):
+        raise SafeZeroConfigError(f'"{where}" must be "auto", true or false, got {value!r}')

@@ -1,0 +1,67 @@
+"""The state of one ``safe_zero.initialize`` call, seen by the wrappers it builds.
+
+DeepSpeed constructs safe_zero's wrapper subclasses with its own arguments, so they cannot
+be handed the options directly. ``safe_zero.initialize`` makes a :class:`Session` current
+for the duration of the call (under the injection lock); each wrapper captures it in its
+constructor and keeps it, because its hooks run long after ``initialize`` has returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from safe_zero._compat import DEEPSPEED_VERSION
+from safe_zero.fixes._base import Fix
+from safe_zero.options import SafeZeroOptions
+
+log = logging.getLogger("safe_zero")
+
+
+@dataclass
+class Session:
+    """Options of one initialize call, the fixes they switch on, and what those fixes did.
+
+    Attributes:
+        options: the validated ``"safe_zero"`` config block.
+        report: fix name -> what it did in this run (only fixes that acted appear).
+    """
+
+    options: SafeZeroOptions = field(default_factory=SafeZeroOptions)
+    report: dict[str, list[str]] = field(default_factory=dict)
+
+    def uses(self, fix: Fix) -> bool:
+        """Whether ``fix`` is on: forced by the options, or ``"auto"`` and needed on this DeepSpeed."""
+        setting = self.options.fixes.get(fix.name, "auto")
+        if setting == "auto":
+            return fix.needed(DEEPSPEED_VERSION)
+        return bool(setting)
+
+    def engaged(self, fix: Fix, what: str) -> None:
+        """Record that ``fix`` acted; the report is logged once initialize returns."""
+        self.report.setdefault(fix.name, []).append(what)
+
+
+_current: Session | None = None
+
+
+def current_session() -> Session | None:
+    return _current
+
+
+def set_current_session(session: Session | None) -> None:
+    global _current
+    _current = session
+
+
+def session_for(wrapper: Any) -> Session:
+    """The session ``wrapper`` belongs to, captured on first use.
+
+    A wrapper built outside ``safe_zero.initialize`` (directly, in tests) gets default options.
+    """
+    session = getattr(wrapper, "_safe_zero_session", None)
+    if session is None:
+        session = _current or Session()
+        object.__setattr__(wrapper, "_safe_zero_session", session)
+    return session

@@ -1,0 +1,58 @@
+"""safe_zero's subclasses of the DeepSpeed classes that ``deepspeed.initialize`` builds.
+
+Each class is the DeepSpeed class plus the mixins of the fixes that touch it (see
+``safe_zero/fixes/``). A mixin overrides one method, calls ``super()``, and does nothing when
+its fix is off for the current session, so with every fix off these classes are stock.
+"""
+
+from __future__ import annotations
+
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from safe_zero.fixes.gradless_params import ZeroFillMissingGradsStage3, ZeroFillMissingGradsStage12
+from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
+
+
+class SafeFP16_Optimizer(ExcludeZeroElementParams, FP16_Optimizer):
+    """Fused fp16/bf16 stage-0 wrapper."""
+
+
+class SafeFP16_UnfusedOptimizer(FP16_UnfusedOptimizer):
+    """Unfused fp16/bf16 stage-0 wrapper (the CPU route); it never flattens, so no fix touches it yet."""
+
+
+class SafeBF16_Optimizer(ExcludeZeroElementParams, BF16_Optimizer):
+    """ZeRO-1 + bf16 + fp32 gradient accumulation wrapper."""
+
+
+class SafeDeepSpeedZeroOptimizer(ZeroFillMissingGradsStage12, ExcludeZeroElementParams, DeepSpeedZeroOptimizer):
+    """ZeRO-1/2 optimizer."""
+
+
+class SafeDeepSpeedZeroOptimizer_Stage3(ZeroFillMissingGradsStage3, DeepSpeedZeroOptimizer_Stage3):
+    """ZeRO-3 optimizer."""
+
+
+class SafeDeepSpeedZeRoOffload(DeepSpeedZeRoOffload):
+    """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
+
+
+class SafePartitionedParameterCoordinator(PartitionedParameterCoordinator):
+    """ZeRO-3 fetch/release coordinator."""
+
+
+SAFE_CLASSES = (
+    SafeFP16_Optimizer,
+    SafeFP16_UnfusedOptimizer,
+    SafeBF16_Optimizer,
+    SafeDeepSpeedZeroOptimizer,
+    SafeDeepSpeedZeroOptimizer_Stage3,
+    SafeDeepSpeedZeRoOffload,
+    SafePartitionedParameterCoordinator,
+)

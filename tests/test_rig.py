@@ -1,0 +1,29 @@
+import pytest
+
+from tests.rig import RankFailure
+
+
+def _rank_and_sum():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _raise_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    return "fine"
+
+
+def test_two_ranks_share_a_gloo_group(ranks):
+    assert ranks.run(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def test_a_failing_rank_is_reported_with_its_error(ranks):
+    with pytest.raises(RankFailure, match="rank 1: ValueError: boom on rank 1"):
+        ranks.run(2, _raise_on_rank_one)
