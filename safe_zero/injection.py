@@ -129,6 +129,20 @@ def resolve_config(arguments: Mapping[str, Any]) -> dict[str, Any] | None:
     return getattr(config, "_param_dict", None)
 
 
+class UnsupportedPrecisionError(SafeZeroError):
+    """The config asks for a precision the current accelerator cannot run."""
+
+
+def check_precision(config: Mapping[str, Any] | None) -> None:
+    """fp16 on DeepSpeed's CPU accelerator fails deep inside initialize; say what to use instead."""
+    from deepspeed.accelerator import get_accelerator
+
+    if config and (config.get("fp16") or {}).get("enabled") and get_accelerator().device_name() == "cpu":
+        raise UnsupportedPrecisionError(
+            'fp16 is not supported by DeepSpeed\'s CPU accelerator. Use bf16 instead: replace "fp16" with '
+            '"bf16": {"enabled": true} in the DeepSpeed config (Lightning: precision="bf16-mixed").')
+
+
 def check_reachable(config: Mapping[str, Any] | None) -> None:
     """Refuse modes that build classes safe_zero cannot swap, instead of running them stock."""
     if not config:
@@ -183,6 +197,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     config = resolve_config(arguments)
     session = Session(options=SafeZeroOptions.from_config(config))
     check_reachable(config)
+    check_precision(config)
     with injected(session):
         result = _STOCK_INITIALIZE(*args, **kwargs)
     engine = result[0]
