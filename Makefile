@@ -10,6 +10,8 @@ EXTRAS      := dev,lightning,accelerate,transformers
 PYTEST_ARGS ?=
 
 export DS_ACCELERATOR := cpu
+# One JIT build cache per venv: DeepSpeed builds its CPU comm op under the same name for every release.
+export TORCH_EXTENSIONS_DIR = $(abspath $(VENV))/torch_extensions
 
 .PHONY: demo test test-main test-legacy bench matrix clean
 
@@ -34,7 +36,7 @@ test-main: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test-legacy: $(VENV_LEGACY)/.installed
-	$(VENV_LEGACY)/bin/python -m pytest -q $(PYTEST_ARGS)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_LEGACY))/torch_extensions $(VENV_LEGACY)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_LEGACY) .pytest_cache

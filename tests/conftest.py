@@ -1,6 +1,10 @@
 import os
+import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed JIT-builds its CPU comm op under one name for every release; a cache shared by two
+# virtual environments with different DeepSpeed releases loads the wrong build. One per venv.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import pytest  # noqa: E402
 
