@@ -57,16 +57,20 @@ class Control(nn.Module):
         return self.out(torch.relu(self.dense(x))).pow(2).mean()
 
 
-def ds_config(stage: int, *, dtype: str = "bf16", batch: int = 2, world_size: int = 1, **zero: Any) -> dict:
-    """A DeepSpeed config for ``stage`` with torch Adam (no compiled ops needed on CPU)."""
+def ds_config(stage: int, *, dtype: str = "bf16", batch: int = 2, world_size: int | None = None, **zero: Any) -> dict:
+    """A DeepSpeed config for ``stage`` with torch Adam (no compiled ops needed on CPU).
+
+    Without ``world_size`` DeepSpeed derives the global batch from the ranks it finds.
+    """
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": batch * world_size,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": stage, **zero},
         "steps_per_print": 10**9,
     }
+    if world_size is not None:
+        config["train_batch_size"] = batch * world_size
     if dtype in ("bf16", "fp16"):
         config[dtype] = {"enabled": True}
     return copy.deepcopy(config)
@@ -91,3 +95,50 @@ def train(engine: Any, steps: int, *, dtype: torch.dtype = torch.bfloat16, seed:
 def build(model_cls: type, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return model_cls()
+
+
+class OddExperts(nn.Module):
+    """An odd-numel parameter ahead of a 3-D expert weight marked grouped_mm (the hand-made misaligned layout).
+
+    ``odd`` is 3 bf16 elements (6 bytes), so in a flat buffer ``experts`` starts 6 bytes off the 16-byte grid.
+    The forward calls ``F.grouped_mm`` on it, one token per expert.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        import safe_zero
+
+        self.odd = nn.Parameter(torch.randn(3) * 0.1)
+        self.experts = safe_zero.mark_grouped_mm(nn.Parameter(torch.randn(4, 8, 8) * 0.3))
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = torch.cat([x, -x]) + self.odd.sum()
+        offs = torch.arange(1, 5, dtype=torch.int32, device=x.device)
+        h = torch.nn.functional.grouped_mm(tokens.to(self.experts.dtype), self.experts, offs=offs)
+        return self.out(torch.relu(h)).float().pow(2).mean()
+
+
+class TinyGptOss(nn.Module):
+    """A 1-layer GPT-OSS from a ``GptOssConfig`` (hidden 64, 4 experts, expert intermediate 32), fed by ``train``.
+
+    Its 2-element attention sinks and 4-element router bias put the grouped_mm expert weights off the
+    16-byte grid in a flat buffer (REFERENCE §6). ``forward`` turns the float batch into token ids.
+    """
+
+    VOCAB = 128
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GptOssConfig, GptOssForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # the tiny RoPE settings trip a YaRN warning that does not matter here
+        config = GptOssConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=32, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                              vocab_size=self.VOCAB, max_position_embeddings=64)
+        self.lm = GptOssForCausalLM(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.float().abs() * 37).long() % self.VOCAB
+        return self.lm(input_ids=ids, labels=ids).loss
