@@ -9,6 +9,7 @@ placeholder / rank-0 adapter), a trainable parameter that gets no gradient (FP-Q
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from typing import Any, Callable
@@ -88,15 +89,22 @@ def _run(init: Callable[..., Any], stage: int) -> tuple[str, str, str]:
         return f"FAILS: {type(e).__name__}: {message[:60]}", "-", "-"
 
 
-def _single_process_env() -> None:
+def init_single_process() -> None:
+    """One CPU rank with gloo, unless a launcher already set up the process group."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29533")):
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def main() -> int:
-    _single_process_env()
+    init_single_process()
     import logging
     import warnings
 
@@ -106,7 +114,6 @@ def main() -> int:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")  # torch's deprecation notes from DeepSpeed's collectives drown the table
-    deepspeed.init_distributed(dist_backend="gloo")
     print(f"safe_zero demo: DeepSpeed {deepspeed.__version__}, torch {torch.__version__}, CPU, 1 rank, bf16, "
           f"{STEPS} steps", flush=True)
     rows = []

@@ -1,0 +1,132 @@
+"""``python -m safe_zero doctor [--json] [MODEL]``: what this installation needs from safe_zero.
+
+Reports the versions of the stack, which known DeepSpeed defects this installation has (from
+probes that run tiny stock cases, :mod:`safe_zero.probes`), which safe_zero fixes will engage,
+and, given a model (``package.module:factory`` or a local Hugging Face model directory), its
+zero-sized parameters, trainable parameters that get no gradient, and grouped_mm weights with
+their current alignment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+PACKAGES = ("torch", "deepspeed", "lightning", "pytorch-lightning", "accelerate", "transformers")
+
+
+def _versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def _load_model(spec: str) -> nn.Module:
+    if os.path.isdir(spec):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
+    module_name, _, factory = spec.partition(":")
+    if not factory:
+        raise SystemExit(f"MODEL must be 'package.module:factory' or a local model directory, got {spec!r}")
+    return getattr(importlib.import_module(module_name), factory)()
+
+
+def _gradless(model: nn.Module) -> list[str] | None:
+    """Trainable parameters left without a gradient by one backward on the model's own dummy inputs."""
+    inputs = getattr(model, "dummy_inputs", None)
+    if not isinstance(inputs, dict):
+        return None
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, labels=inputs.get("input_ids"))
+    loss = out.loss if hasattr(out, "loss") else out
+    loss.backward()
+    found = [n for n, p in model.named_parameters() if p.requires_grad and p.numel() > 0 and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def analyse_model(model: nn.Module) -> dict[str, Any]:
+    from safe_zero.alignment import grouped_mm_parameters
+
+    return {
+        "zero_sized": {n: list(p.shape) for n, p in model.named_parameters() if p.numel() == 0},
+        "gradless": _gradless(model),
+        "grouped_mm": {n: {"shape": list(p.shape), "data_ptr_mod_16": p.data_ptr() % 16}
+                       for n, p in grouped_mm_parameters(model).items()},
+    }
+
+
+def diagnose(model_spec: str | None = None) -> dict[str, Any]:
+    from safe_zero.demo import init_single_process
+
+    init_single_process()
+    import safe_zero
+    from safe_zero.alignment import _deepspeed_has_parameter_alignment
+    from safe_zero.probes import PROBES
+    from safe_zero.session import Session
+
+    session = Session()
+    fixes = {}
+    for name, fix in safe_zero.FIXES.items():
+        probe = PROBES.get(name)
+        fixes[name] = {
+            "summary": fix.summary,
+            "needed_on": str(fix.needed_on),
+            "defect_present": probe() if probe else None,
+            "engages": session.uses(fix),
+        }
+    report: dict[str, Any] = {
+        "versions": _versions(),
+        "supported_deepspeed": str(safe_zero.SUPPORTED_DEEPSPEED),
+        "deepspeed_parameter_alignment_option": _deepspeed_has_parameter_alignment(),
+        "fixes": fixes,
+    }
+    if model_spec:
+        report["model"] = {"spec": model_spec, **analyse_model(_load_model(model_spec))}
+    return report
+
+
+def _print(report: dict[str, Any]) -> None:
+    print("versions: " + ", ".join(f"{k} {v or '-'}" for k, v in report["versions"].items()))
+    print(f"supported DeepSpeed: {report['supported_deepspeed']}; DeepSpeed's own parameter_alignment option: "
+          f"{'available (ZeRO-1/2, off unless asked)' if report['deepspeed_parameter_alignment_option'] else 'absent'}")
+    print(f"{'fix':28} {'defect here':12} {'engages':8} needed on DeepSpeed")
+    for name, fix in report["fixes"].items():
+        present = {True: "yes", False: "no", None: "not probed"}[fix["defect_present"]]
+        print(f"{name:28} {present:12} {'yes' if fix['engages'] else 'no':8} {fix['needed_on']}")
+    model = report.get("model")
+    if model:
+        print(f"model {model['spec']}:")
+        print(f"  zero-sized parameters: {model['zero_sized'] or 'none'}")
+        gradless = model["gradless"]
+        print(f"  trainable parameters without a gradient: "
+              f"{'not checked (no dummy_inputs)' if gradless is None else gradless or 'none'}")
+        print(f"  grouped_mm weights: {model['grouped_mm'] or 'none'}")
+
+
+def main(as_json: bool, model_spec: str | None) -> int:
+    import logging
+    import warnings
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    report = diagnose(model_spec)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
+
+
+__all__ = ["analyse_model", "diagnose", "main"]

@@ -1,0 +1,105 @@
+"""Tiny stock-DeepSpeed runs that show whether this installation has each defect.
+
+A version table says what a release *should* do; a probe shows what this installation (this
+DeepSpeed, this torch) *does*. Each probe builds a model of a few parameters, runs stock
+``deepspeed.initialize`` at world size 1, and looks at the symptom or at its root cause.
+They need an initialized process group (``python -m safe_zero doctor`` sets up one rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+class _ZeroSized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(8, 8)
+        self.empty = nn.Linear(8, 0, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(x).sum() + self.empty(x).sum()
+
+
+class _NoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[override]
+        return x * w.sum()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _Gradless(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(8, 8)
+        self.dqweight = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NoGrad.apply(self.dense(x), self.dqweight).sum()
+
+
+def _engine(model_cls: type, stage: int) -> Any:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = model_cls()
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "steps_per_print": 10**9,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _step(engine: Any) -> None:
+    loss = engine(torch.ones(2, 8, dtype=torch.bfloat16))
+    engine.backward(loss)
+    engine.step()
+
+
+def _raises(fn: Callable[[], Any], *errors: type) -> bool:
+    try:
+        fn()
+    except errors:
+        return True
+    return False
+
+
+def probe_zero3_zero_element_params() -> bool:
+    return _raises(lambda: _step(_engine(_ZeroSized, 3)), AssertionError, ValueError)
+
+
+def probe_gradless_params() -> bool:
+    return _raises(lambda: _step(_engine(_Gradless, 2)), AttributeError)
+
+
+def probe_zero_element_groups() -> bool:
+    """Root cause: a zero-element parameter inside the ZeRO-1/2 flat groups (or a crash on the way there)."""
+
+    def inside() -> bool:
+        engine = _engine(_ZeroSized, 2)
+        return any(p.numel() == 0 for group in engine.optimizer.bit16_groups for p in group)
+
+    try:
+        return inside()
+    except (KeyError, AssertionError):
+        return True
+
+
+def probe_flat_buffer_autograd() -> bool:
+    """Root cause: the ZeRO-1/2 flat buffer carries autograd history (the symptom needs 2 gloo ranks)."""
+    engine = _engine(_ZeroSized, 1)
+    return any(flat.requires_grad for flat in engine.optimizer.bit16_groups_flat)
+
+
+PROBES: dict[str, Callable[[], bool]] = {
+    "zero3_zero_element_params": probe_zero3_zero_element_params,
+    "gradless_params": probe_gradless_params,
+    "zero_element_groups": probe_zero_element_groups,
+    "flat_buffer_autograd": probe_flat_buffer_autograd,
+}
