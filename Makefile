@@ -38,5 +38,8 @@ test-main: $(VENV)/.installed
 test-legacy: $(VENV_LEGACY)/.installed
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_LEGACY))/torch_extensions $(VENV_LEGACY)/bin/python -m pytest -q $(PYTEST_ARGS)
 
+bench: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/run.py
+
 clean:
 	rm -rf $(VENV) $(VENV_LEGACY) .pytest_cache

@@ -1,0 +1,101 @@
+"""Rank bodies for ``benchmarks/run.py``: each runs on every rank of a CPU/gloo pool (tests/rig.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Wide(nn.Module):
+    """A model stock DeepSpeed trains (no zero-sized parameters): the step-time control."""
+
+    def __init__(self, hidden: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+
+class WithEmpty(nn.Module):
+    """``Wide`` plus K submodules whose only parameters are zero-sized, in the forward path."""
+
+    def __init__(self, k: int, hidden: int = 256) -> None:
+        super().__init__()
+        self.body = Wide(hidden)
+        self.empties = nn.ModuleList(nn.Linear(hidden, 0, bias=False) for _ in range(k))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + sum(e(x).sum() for e in self.empties)
+
+
+def _config(stage: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "steps_per_print": 10**9,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+
+
+def _engine(model: nn.Module, stage: int, safe: bool) -> Any:
+    import deepspeed
+
+    import safe_zero
+
+    init = safe_zero.initialize if safe else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=_config(stage))
+    return engine
+
+
+def step_seconds(stage: int, safe: bool, steps: int = 20, warmup: int = 3) -> float:
+    """Median seconds per training step of ``Wide`` (the same on every rank up to noise)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    engine = _engine(Wide(), stage, safe)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def all_gathers_per_step(k: int, steps: int = 3) -> list[int]:
+    """All-gathers DeepSpeed's comm backend issues per ZeRO-3 step with safe_zero, K all-zero-sized submodules."""
+    from deepspeed.comm import comm
+
+    torch.manual_seed(0)
+    engine = _engine(WithEmpty(k), 3, safe=True)
+    names = ("all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced")
+    count = [0]
+
+    def counting(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in names:
+        setattr(comm.cdb, name, counting(getattr(comm.cdb, name)))
+    try:
+        x = torch.randn(8, 256).to(torch.bfloat16)
+        per_step = []
+        for _ in range(steps):
+            count[0] = 0
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            per_step.append(count[0])
+    finally:
+        for name in names:
+            delattr(comm.cdb, name)
+    return per_step
