@@ -41,5 +41,8 @@ test-legacy: $(VENV_LEGACY)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/run.py
 
+matrix:
+	$(PYTHON) scripts/matrix.py
+
 clean:
-	rm -rf $(VENV) $(VENV_LEGACY) .pytest_cache
+	rm -rf $(VENV) $(VENV_LEGACY) .venv-matrix .pytest_cache
