@@ -5,9 +5,18 @@ Public API:
     install()/uninstall()  route every ``deepspeed.initialize`` in the process through safe_zero.
     SafeZeroOptions        the ``"safe_zero"`` block of a DeepSpeed config.
     FIXES                  the defects safe_zero corrects, by name.
+    mark_grouped_mm(...)   declare a custom layer/parameter that feeds grouped_mm (kept 16-byte aligned).
+    grouped_mm_parameters  the parameters of a model that need 16-byte alignment.
 """
 
 from safe_zero._compat import SUPPORTED_DEEPSPEED, SafeZeroError, UnsupportedDeepSpeedError
+from safe_zero.alignment import (
+    AlignmentError,
+    AlignmentWarning,
+    grouped_mm_parameters,
+    is_aligned,
+    mark_grouped_mm,
+)
 from safe_zero.fixes import FIXES, Fix
 from safe_zero.injection import (
     DeepSpeedDriftError,
@@ -28,6 +37,8 @@ __version__ = "0.1.0"
 verify_bindings()
 
 __all__ = [
+    "AlignmentError",
+    "AlignmentWarning",
     "FIXES",
     "SUPPORTED_DEEPSPEED",
     "DeepSpeedDriftError",
@@ -40,9 +51,12 @@ __all__ = [
     "UnreachableModeError",
     "UnsupportedPrecisionError",
     "UnsupportedDeepSpeedError",
+    "grouped_mm_parameters",
     "initialize",
     "install",
+    "is_aligned",
     "is_installed",
+    "mark_grouped_mm",
     "uninstall",
     "verify_bindings",
 ]

@@ -24,7 +24,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from safe_zero import wrappers
+from safe_zero import alignment, wrappers
 from safe_zero._compat import SUPPORTED_DEEPSPEED, SafeZeroError, check_deepspeed_supported
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session, set_current_session
@@ -193,11 +193,16 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     The ``"safe_zero"`` block of the DeepSpeed config (see :class:`safe_zero.SafeZeroOptions`)
     selects fixes. The engine keeps the session as ``engine.safe_zero_session``.
     """
-    arguments = _STOCK_SIGNATURE.bind(*args, **kwargs).arguments
+    bound = _STOCK_SIGNATURE.bind(*args, **kwargs)
+    arguments = bound.arguments
     config = resolve_config(arguments)
     session = Session(options=SafeZeroOptions.from_config(config))
     check_reachable(config)
     check_precision(config)
+    adjusted = alignment.prepare_config(arguments.get("model"), config, session)
+    if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
+        alignment.pass_config(bound, adjusted)
+        args, kwargs = bound.args, bound.kwargs
     with injected(session):
         result = _STOCK_INITIALIZE(*args, **kwargs)
     engine = result[0]

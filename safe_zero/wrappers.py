@@ -16,10 +16,11 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero.fixes.gradless_params import ZeroFillMissingGradsStage3, ZeroFillMissingGradsStage12
+from safe_zero.fixes.grouped_mm_alignment import AlignFlatGroups, AlignRoundRobinGroups
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
 
 
-class SafeFP16_Optimizer(ExcludeZeroElementParams, FP16_Optimizer):
+class SafeFP16_Optimizer(AlignFlatGroups, ExcludeZeroElementParams, FP16_Optimizer):
     """Fused fp16/bf16 stage-0 wrapper."""
 
 
@@ -27,11 +28,12 @@ class SafeFP16_UnfusedOptimizer(FP16_UnfusedOptimizer):
     """Unfused fp16/bf16 stage-0 wrapper (the CPU route); it never flattens, so no fix touches it yet."""
 
 
-class SafeBF16_Optimizer(ExcludeZeroElementParams, BF16_Optimizer):
+class SafeBF16_Optimizer(AlignFlatGroups, ExcludeZeroElementParams, BF16_Optimizer):
     """ZeRO-1 + bf16 + fp32 gradient accumulation wrapper."""
 
 
-class SafeDeepSpeedZeroOptimizer(ZeroFillMissingGradsStage12, ExcludeZeroElementParams, DeepSpeedZeroOptimizer):
+class SafeDeepSpeedZeroOptimizer(AlignRoundRobinGroups, ZeroFillMissingGradsStage12, ExcludeZeroElementParams,
+                                 DeepSpeedZeroOptimizer):
     """ZeRO-1/2 optimizer."""
 
 

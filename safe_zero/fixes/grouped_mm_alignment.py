@@ -1,0 +1,121 @@
+"""grouped_mm expert weights off the 16-byte grid in flat buffers DeepSpeed does not pad (every release).
+
+``FP16_Optimizer`` (fused stage 0), ``BF16_Optimizer`` (ZeRO-1 + bf16 + fp32 gradient
+accumulation) and, before 0.19.7, ``DeepSpeedZeroOptimizer`` (ZeRO-1/2) concatenate each
+parameter group into one flat buffer and rebind every parameter to its slice. A parameter whose
+byte size is not a multiple of 16 (GPT-OSS's 2-element attention sinks, a 4-element router
+bias) pushes every later slice off the 16-byte grid, and CUDA grouped_mm then refuses the expert
+weights ("expected data_ptr to be aligned to 16 bytes").
+
+The fix orders each group that holds a grouped_mm weight before DeepSpeed flattens it: every
+parameter whose size is a whole number of 16-byte units first (in their original order), then
+the rest. The buffer starts on the grid, so each weight of that prefix does too, with no padding
+at all: the buffers keep their size, the views stay zero-copy, and nothing in DeepSpeed's offset
+arithmetic changes. Adam and SGD act element-wise, so the losses are bit-identical to the stock
+order. DeepSpeed records the flattened order itself (``bf16_groups``, ``round_robin_bit16_groups``,
+``fp16_groups``): checkpoints and ``zero_to_fp32`` follow it, and the order is a pure function of the
+model, so a resumed run loads its own checkpoint. A checkpoint written by stock DeepSpeed with a
+different order does not load into the reordered buffers (nor the reverse): resume with the
+setting that saved it.
+
+CUDA grouped_mm also needs 16-byte row strides, so its weights are whole 16-byte units in
+practice; one that is not is placed first after the prefix (still aligned), and a group with two
+such weights cannot be laid out without padding: that is refused at initialize with the
+configurations that work.
+
+The guard mixin (``"alignment_guard"``, on by default) checks the detected weights after
+initialize and after every optimizer step on every flattening wrapper, including the ZeRO-1/2
+route that DeepSpeed >= 0.19.7 pads itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from packaging.specifiers import SpecifierSet
+
+from safe_zero.alignment import ALIGNMENT_BYTES, AlignmentError, AlignmentPlan, plan_for
+from safe_zero.fixes._base import Fix
+from safe_zero.session import session_for
+
+FIX = Fix(
+    name="grouped_mm_alignment",
+    summary="keep grouped_mm expert weights 16-byte aligned in the flat buffers DeepSpeed does not pad",
+    needed_on=SpecifierSet(">=0.18.0"),
+)
+
+
+def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str) -> list[int]:
+    """Positions of ``params`` in an order that puts every detected weight on the grid (raises if impossible)."""
+    whole = [i for i, p in enumerate(params) if p.numel() * p.element_size() % ALIGNMENT_BYTES == 0]
+    rest = [i for i, p in enumerate(params) if p.numel() * p.element_size() % ALIGNMENT_BYTES != 0]
+    partial = [i for i in rest if plan.needs(params[i])]
+    if len(partial) > 1:
+        listed = ", ".join(f"{plan.name(params[i])} ({params[i].numel() * params[i].element_size()} bytes)"
+                           for i in partial)
+        raise AlignmentError(
+            f"safe_zero cannot keep these grouped_mm weights 16-byte aligned on the {route} route: {listed}. "
+            "Their sizes are not multiples of 16 bytes and this route has no padding between parameters. "
+            "ZeRO-1/2 with bf16/fp16 and no fp32 gradient accumulation on DeepSpeed >= 0.19.7 pads any size "
+            "(zero_optimization.parameter_alignment, which safe_zero turns on).")
+    return whole + partial + [i for i in rest if i not in partial]
+
+
+def _reorder(group: list[Any], order: list[int]) -> list[Any]:
+    return [group[i] for i in order]
+
+
+class AlignFlatGroups:
+    """Mixin for the flattening wrappers: orders the groups before DeepSpeed flattens them, then checks.
+
+    ``parameter_alignment=True`` (ZeRO-1/2 on DeepSpeed >= 0.19.7) means DeepSpeed pads itself;
+    the mixin then only guards.
+    """
+
+    def __init__(self, init_optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        session = session_for(self)
+        plan = plan_for(session)
+        route = type(self).__bases__[-1].__name__
+        if plan.active and kwargs.get("parameter_alignment", False):
+            session.engaged(FIX, f"{route}: DeepSpeed pads parameter boundaries (zero_optimization.parameter_alignment) "
+                                 f"for {len(plan.params)} grouped_mm weight(s)")
+        elif plan.active and session.uses(FIX) and init_optimizer is not None:
+            moved = 0
+            for group in init_optimizer.param_groups:
+                params = list(group["params"])
+                if not (plan.everything or any(plan.needs(p) for p in params)):
+                    continue
+                order = _aligned_order(params, plan, route)
+                if order != sorted(order):
+                    group["params"] = _reorder(params, order)
+                    moved += sum(1 for new, old in enumerate(order) if new != old)
+            if moved:
+                session.engaged(FIX, f"{route}: flattened whole-16-byte parameters first ({moved} moved) "
+                                     f"so {len(plan.params)} grouped_mm weight(s) sit on the 16-byte grid")
+        super().__init__(init_optimizer, *args, **kwargs)
+        plan.check("after initialize", route)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().step(*args, **kwargs)
+        plan_for(session_for(self)).check("after an optimizer step", type(self).__bases__[-1].__name__)
+        return result
+
+
+class AlignRoundRobinGroups(AlignFlatGroups):
+    """Mixin for ``DeepSpeedZeroOptimizer``: ``round_robin_gradients`` reshuffles after the group order; re-apply it."""
+
+    def _round_robin_reorder(self, tensor_list: list[Any], num_partitions: int) -> tuple[list[Any], Any]:
+        tensors, indices = super()._round_robin_reorder(tensor_list, num_partitions)
+        session = session_for(self)
+        plan = plan_for(session)
+        if not (plan.active and session.uses(FIX) and not getattr(self, "parameter_alignment", False)):
+            return tensors, indices
+        if not (plan.everything or any(plan.needs(p) for p in tensors)):
+            return tensors, indices
+        order = _aligned_order(tensors, plan, "DeepSpeedZeroOptimizer (round_robin_gradients)")
+        position = {old: new for new, old in enumerate(order)}
+        return _reorder(tensors, order), {original: position[at] for original, at in indices.items()}
+
+
+__all__ = ["AlignFlatGroups", "AlignRoundRobinGroups", "FIX"]
