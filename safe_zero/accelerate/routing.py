@@ -1,0 +1,179 @@
+"""Route the ``deepspeed.initialize`` calls that ask for safe_zero through :func:`safe_zero.initialize`.
+
+Accelerate (and HF Trainer through it) reads ``deepspeed.initialize`` at call time, at the top
+of ``Accelerator._prepare_deepspeed``, before any plugin method sees the model. So the hook
+is a dispatcher bound to ``deepspeed.initialize``: a call whose DeepSpeed config carries a
+top-level ``"safe_zero"`` block goes through safe_zero; every other call goes to the stock
+function with the same arguments, so it is exactly stock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any, Mapping
+
+import deepspeed
+
+from safe_zero import injection
+from safe_zero._compat import SafeZeroError
+from safe_zero.injection import InjectionError, _LOCK, _STOCK_INITIALIZE, _STOCK_SIGNATURE, resolve_config
+from safe_zero.options import CONFIG_KEY, SafeZeroOptions
+from safe_zero.session import Session
+
+
+def requests_safe_zero(config: Mapping[str, Any] | None) -> bool:
+    """Whether a DeepSpeed config asks for safe_zero: it has a top-level ``"safe_zero"`` block (``{}`` is enough)."""
+    return isinstance(config, Mapping) and CONFIG_KEY in config
+
+
+def opt_in(config: dict[str, Any]) -> None:
+    """Make ``config`` ask for safe_zero: add ``"safe_zero": {}`` if absent, validate the block, drop its ``"auto"``s.
+
+    Accelerate and HF Trainer treat every ``"auto"`` string in a DeepSpeed config as a value they
+    must fill and raise on the ones they do not know. ``"auto"`` is the default of every
+    safe_zero setting, so leaving it out means the same.
+    """
+    SafeZeroOptions.from_config(config)
+    block = dict(config.get(CONFIG_KEY) or {})
+    if isinstance(block.get("fixes"), Mapping):
+        block["fixes"] = {name: setting for name, setting in block["fixes"].items() if setting != "auto"}
+    config[CONFIG_KEY] = {key: value for key, value in block.items() if value != "auto"}
+
+
+_warned_stock = False
+
+
+def _warn_stock_once() -> None:
+    global _warned_stock
+    if _warned_stock:
+        return
+    _warned_stock = True
+    from deepspeed.utils import log_dist
+
+    log_dist(f'safe_zero: this DeepSpeed config has no "{CONFIG_KEY}" block, so deepspeed.initialize runs stock '
+             f'DeepSpeed without safe_zero\'s fixes. Add "{CONFIG_KEY}": {{}} to the config to opt in.',
+             ranks=[0], level=logging.WARNING)
+
+
+# The session of each module an engine was built for here, so HF Trainer callbacks (which see the
+# module, not the engine) can report and verify it.
+_SESSIONS: "weakref.WeakKeyDictionary[Any, Session]" = weakref.WeakKeyDictionary()
+
+
+def session_of(module: Any) -> Session | None:
+    """The safe_zero session of the engine the dispatcher built around ``module``, if it built one."""
+    return _SESSIONS.get(module)
+
+
+def _routed_initialize(*args: Any, **kwargs: Any) -> tuple:
+    config = resolve_config(_STOCK_SIGNATURE.bind(*args, **kwargs).arguments)
+    if not requests_safe_zero(config):
+        _warn_stock_once()
+        return _STOCK_INITIALIZE(*args, **kwargs)
+    check_world_size()
+    result = injection.initialize(*args, **kwargs)
+    engine = result[0]
+    _SESSIONS[engine.module] = engine.safe_zero_session
+    return result
+
+
+_routed_initialize.__signature__ = _STOCK_SIGNATURE  # type: ignore[attr-defined]
+_routed_initialize.__doc__ = "deepspeed.initialize, routed through safe_zero when the config has a safe_zero block."
+
+
+def install_on_request() -> None:
+    """Bind the dispatcher to ``deepspeed.initialize``: configs with a ``"safe_zero"`` block go through safe_zero.
+
+    Idempotent. Leaves ``safe_zero.install()`` (which routes every call) in place. Raises
+    :class:`safe_zero.InjectionError` if something else has replaced ``deepspeed.initialize``,
+    since routing around it would silently drop one of the two.
+    """
+    with _LOCK:
+        current = deepspeed.initialize
+        if current is _routed_initialize or injection.is_installed():
+            return
+        if current is not _STOCK_INITIALIZE:
+            raise InjectionError(
+                f"deepspeed.initialize has been replaced by {current!r}; safe_zero cannot route Accelerate "
+                "through it. Remove that replacement, or call safe_zero.install() to route every call.")
+        deepspeed.initialize = _routed_initialize
+
+
+def uninstall_on_request() -> None:
+    """Unbind the dispatcher, restoring the stock ``deepspeed.initialize``. Idempotent."""
+    with _LOCK:
+        if deepspeed.initialize is _routed_initialize:
+            deepspeed.initialize = _STOCK_INITIALIZE
+
+
+def is_routed() -> bool:
+    """Whether a ``deepspeed.initialize`` call that asks for safe_zero goes through it right now."""
+    return deepspeed.initialize is _routed_initialize or injection.is_installed()
+
+
+def check_routed(where: str) -> None:
+    """Raise :class:`safe_zero.InjectionError` if ``deepspeed.initialize`` would run stock (``where``: the caller)."""
+    if not is_routed():
+        raise InjectionError(
+            f"{where} asked for safe_zero, but deepspeed.initialize is {deepspeed.initialize!r}, not safe_zero's "
+            "(was safe_zero.uninstall() or safe_zero.accelerate.uninstall_on_request() called, or did something "
+            "else replace it?). Call safe_zero.accelerate.install_on_request() before Accelerator.prepare / "
+            "Trainer.train, or this run would be stock DeepSpeed.")
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU runs: Accelerate and DeepSpeed must count the same processes.
+
+
+def _launched_on_cpu() -> bool:
+    """A launcher started this process (``LOCAL_RANK`` set) and DeepSpeed runs on its CPU accelerator."""
+    if int(os.environ.get("LOCAL_RANK", -1)) == -1:
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def cpu_distributed_state() -> None:
+    """Create Accelerate's process state with DeepSpeed's CPU communication backend (gloo), once.
+
+    On a host without an accelerator, Accelerate picks no backend for a DeepSpeed run and counts
+    one process while DeepSpeed's process group has all of them; DeepSpeed then fails its batch
+    size check. Call this before anything creates Accelerate's state (``SafeDeepSpeedPlugin``
+    does it for you). For HF Trainer, call it before ``TrainingArguments`` and pass
+    ``accelerator_config={"use_configured_state": True}``. Does nothing when the state already
+    exists, when no launcher started the process, or when DeepSpeed runs on an accelerator. For a
+    custom process-group timeout, create ``PartialState(backend="gloo", timeout=...)`` yourself.
+    """
+    from accelerate import PartialState
+    from deepspeed.accelerator import get_accelerator
+
+    if PartialState._shared_state or not _launched_on_cpu():
+        return
+
+    # Accelerate takes the DeepSpeed route (deepspeed.comm.init_distributed) only when this is set;
+    # an Accelerator given a DeepSpeed plugin sets it too.
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend=get_accelerator().communication_backend_name())
+
+
+class WorldSizeMismatchError(SafeZeroError):
+    """Accelerate's state counts a different number of processes than the DeepSpeed process group."""
+
+
+def check_world_size(how_to_fix: str | None = None) -> None:
+    """Raise :class:`WorldSizeMismatchError` when Accelerate and torch.distributed disagree on the world size."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    if not PartialState._shared_state or not (dist.is_available() and dist.is_initialized()):
+        return
+    counted, world = PartialState().num_processes, dist.get_world_size()
+    if counted != world:
+        raise WorldSizeMismatchError(
+            f"Accelerate counts {counted} process(es) but the DeepSpeed process group has {world}: on a host "
+            "without an accelerator Accelerate picks no backend. " + (how_to_fix or (
+                "Call safe_zero.accelerate.cpu_distributed_state() (or accelerate.PartialState(backend=\"gloo\")) "
+                "before creating the Accelerator, or pass deepspeed_plugin=SafeDeepSpeedPlugin(...), which does it.")))

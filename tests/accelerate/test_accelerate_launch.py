@@ -1,0 +1,66 @@
+"""`accelerate launch --num_processes 2` with the yaml + JSON pairs from examples/accelerate/.
+
+A model with a zero-sized parameter and a trainable parameter that gets no gradient: stock
+DeepSpeed fails at ZeRO-2 and ZeRO-3; the same launch trains once safe_zero is asked for, through
+the config-file route (`import safe_zero.accelerate` + the JSON's "safe_zero" block) and through
+`SafeDeepSpeedPlugin` (examples/accelerate/train.py, no CPU set-up line in the script).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from tests.accelerate.launch import EXAMPLES, accelerate_launch, by_phase  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = "tests/accelerate/launch_script.py"
+
+# ZeRO-2 trips over the grad-less parameter in its gradient hook; ZeRO-3 over the zero-sized one
+# in its first all-gather (the grad-less one would fail it next, in backward).
+STOCK_ERRORS = {
+    2: "AttributeError: 'NoneType' object has no attribute 'view'",
+    3: "'status': 'NOT_AVAILABLE', 'numel': 0",
+}
+
+
+def check_trained(records: list[dict], stage: int) -> None:
+    for r in records:
+        assert r["error"] is None, r
+        assert r["safe"] and r["request"], "the engine must be safe_zero's, asked for by the config"
+        assert (r["stage"], r["world"]) == (stage, 2)
+        losses = r["losses"]
+        assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+        assert all(b < a for a, b in zip(losses, losses[1:])), f"loss must fall at every step: {losses}"
+        assert r["empty_shape"] == [0, 8], "the zero-sized parameter keeps its shape"
+        assert r["dq_unchanged"], "a parameter that never got a gradient keeps its value"
+    assert records[0]["losses"] == records[1]["losses"], "both ranks see the same batch and the same model"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stock_fails_and_the_config_file_route_trains(stage):
+    records, _ = accelerate_launch("--config_file", f"examples/accelerate/zero{stage}.yaml", SCRIPT)
+    for r in by_phase(records, "stock", 2):
+        assert STOCK_ERRORS[stage] in r["error"], r
+    safe = by_phase(records, "safe", 2)
+    check_trained(safe, stage)
+    engaged = {2: "gradless_params", 3: "zero3_zero_element_params"}[stage]
+    assert all(engaged in r["engaged"] for r in safe), safe
+
+
+def test_safe_deepspeed_plugin_example_trains_zero3_without_cpu_setup():
+    _, output = accelerate_launch("--config_file", "examples/accelerate/zero3.yaml", str(EXAMPLES / "train.py"))
+    lines = re.findall(r"\[rank (\d)/(\d)\] ZeRO-(\d) losses: ([\d. ]+); safe_zero engaged: (.*)", output)
+    assert sorted(rank for rank, *_ in lines) == ["0", "1"], output[-4000:]
+    for _, world, stage, losses, engaged in lines:
+        assert (world, stage) == ("2", "3")
+        values = [float(v) for v in losses.split()]
+        assert len(values) == 4 and all(math.isfinite(v) for v in values)
+        assert all(b < a for a, b in zip(values, values[1:])), values
+        assert "zero3_zero_element_params" in engaged
+

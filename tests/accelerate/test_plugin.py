@@ -1,0 +1,131 @@
+"""SafeDeepSpeedPlugin, the shipped yaml + JSON pairs and the routing, in the pytest process (no launch)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+import deepspeed  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin, DistributedType  # noqa: E402
+
+import safe_zero  # noqa: E402
+from safe_zero.injection import _STOCK_INITIALIZE  # noqa: E402
+from tests.accelerate.launch import EXAMPLES, ROOT  # noqa: E402
+
+PAIRS = {"zero2": (2, "none", "none"), "zero2_offload": (2, "cpu", "none"),
+         "zero3": (3, "none", "none"), "zero3_offload": (3, "cpu", "cpu")}
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_example_pair_loads_in_accelerate_and_opts_in(name, monkeypatch):
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from safe_zero.accelerate import SafeDeepSpeedPlugin, is_routed
+
+    stage, offload_optimizer, offload_param = PAIRS[name]
+    yaml_path = EXAMPLES / f"{name}.yaml"
+    raw = yaml.safe_load(yaml_path.read_text())
+    # With deepspeed_config_file, Accelerate rejects these in the yaml: they belong in the JSON.
+    assert not {"mixed_precision", "zero_stage"} & (set(raw) | set(raw["deepspeed_config"]))
+    cluster = load_config_from_file(str(yaml_path))
+    assert cluster.distributed_type == DistributedType.DEEPSPEED
+    assert cluster.use_cpu is False, "use_cpu: true would skip DeepSpeed silently"
+    assert cluster.deepspeed_config["deepspeed_config_file"] == f"examples/accelerate/{name}.json"
+
+    json_path = ROOT / cluster.deepspeed_config["deepspeed_config_file"]
+    config = json.loads(json_path.read_text())
+    block = config["safe_zero"]
+    safe_zero.SafeZeroOptions.from_config(config)
+    assert "auto" not in json.dumps(block), "Accelerate fails on \"auto\" values it does not know"
+
+    # What `accelerate launch` hands the processes: the yaml's deepspeed_config keys and the JSON path.
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", ",".join(cluster.deepspeed_config))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(json_path))
+    plugin = SafeDeepSpeedPlugin()
+    assert plugin.zero_stage == stage
+    assert (plugin.offload_optimizer_device, plugin.offload_param_device) == (offload_optimizer, offload_param)
+    assert plugin.deepspeed_config["safe_zero"] == block
+    assert is_routed()
+
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2}}
+
+
+def test_auto_in_the_block_breaks_stock_accelerate_and_the_plugin_drops_it():
+    from safe_zero.accelerate import SafeDeepSpeedPlugin
+
+    block = {"alignment": "auto", "fixes": {"gradless_params": "auto", "zero_element_groups": True}}
+    config = {**BASE, "safe_zero": block}
+    stock = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(config))
+    with pytest.raises(ValueError, match="`safe_zero.alignment` not found in kwargs"):
+        stock.deepspeed_config_process(must_match=False)
+
+    plugin = SafeDeepSpeedPlugin(hf_ds_config=copy.deepcopy(config))
+    plugin.deepspeed_config_process(must_match=False)  # what Accelerator.prepare does
+    assert plugin.deepspeed_config["safe_zero"] == {"fixes": {"zero_element_groups": True}}
+
+
+def test_plugin_rejects_a_malformed_block_and_ms_amp():
+    from safe_zero.accelerate import SafeDeepSpeedPlugin
+
+    with pytest.raises(safe_zero.SafeZeroConfigError, match="alignment"):
+        SafeDeepSpeedPlugin(hf_ds_config={**BASE, "safe_zero": {"alignment": "sometimes"}})
+    with pytest.raises(safe_zero.UnreachableModeError, match="MS-AMP"):
+        SafeDeepSpeedPlugin(hf_ds_config=copy.deepcopy(BASE), enable_msamp=True)
+
+
+def test_plugin_adds_the_block_and_refuses_a_stock_initialize_at_prepare():
+    from safe_zero.accelerate import SafeDeepSpeedPlugin, uninstall_on_request
+
+    plugin = SafeDeepSpeedPlugin(hf_ds_config=copy.deepcopy(BASE))
+    assert plugin.deepspeed_config["safe_zero"] == {}
+    plugin.set_moe_leaf_modules(object())  # routed: Accelerate may go on to deepspeed.initialize
+    uninstall_on_request()
+    with pytest.raises(safe_zero.InjectionError, match="SafeDeepSpeedPlugin asked for safe_zero"):
+        plugin.set_moe_leaf_modules(object())
+
+
+def test_routing_binds_once_defers_to_install_and_refuses_a_foreign_initialize(monkeypatch):
+    from safe_zero.accelerate import install_on_request, is_routed, uninstall_on_request
+    from safe_zero.accelerate.routing import _routed_initialize
+
+    install_on_request()
+    install_on_request()
+    assert deepspeed.initialize is _routed_initialize
+    uninstall_on_request()
+    assert deepspeed.initialize is _STOCK_INITIALIZE and not is_routed()
+
+    safe_zero.install()
+    try:
+        install_on_request()  # install() already routes every call; leave it
+        assert safe_zero.is_installed() and is_routed()
+    finally:
+        safe_zero.uninstall()
+    assert deepspeed.initialize is _STOCK_INITIALIZE
+
+    monkeypatch.setattr(deepspeed, "initialize", lambda *a, **k: None)
+    with pytest.raises(safe_zero.InjectionError, match="has been replaced by"):
+        install_on_request()
+
+
+def test_python_m_safe_zero_accelerate_runs_the_script_as_main_with_routing(tmp_path, monkeypatch):
+    import sys
+
+    from safe_zero.accelerate.__main__ import main
+
+    out = tmp_path / "probe.json"
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, sys\nfrom safe_zero.accelerate import is_routed\n"
+                     "json.dump({'name': __name__, 'argv': sys.argv, 'routed': is_routed(), 'path0': sys.path[0]},"
+                     f" open({str(out)!r}, 'w'))\n")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.setattr(sys, "argv", ["safe_zero.accelerate"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    main([str(probe), "--lr", "1"])
+    assert json.loads(out.read_text()) == {"name": "__main__", "argv": [str(probe), "--lr", "1"], "routed": True,
+                                           "path0": str(tmp_path)}

@@ -1,0 +1,48 @@
+"""The routing `import safe_zero.accelerate` binds: a config with a "safe_zero" block goes through
+safe_zero, a config without one stays exactly stock (and says so once on rank 0)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from tests.models import Gradless, build, ds_config, train  # noqa: E402
+
+
+def _route(stage: int, world_size: int) -> dict:
+    import deepspeed
+
+    from safe_zero.accelerate import routing
+
+    routing.install_on_request()
+    try:
+        asked = {**ds_config(stage, world_size=world_size), "safe_zero": {}}
+        engine, *_ = deepspeed.initialize(model=build(Gradless), config=asked)
+        safe_losses = train(engine, 2)
+        safe = {"session": hasattr(engine, "safe_zero_session"), "optimizer": type(engine.optimizer).__name__,
+                "losses": safe_losses, "registered": routing.session_of(engine.module) is engine.safe_zero_session}
+
+        engine, *_ = deepspeed.initialize(model=build(Gradless), config=ds_config(stage, world_size=world_size))
+        try:
+            train(engine, 1)
+            stock_error = None
+        except AttributeError as e:
+            stock_error = str(e)
+        stock = {"session": hasattr(engine, "safe_zero_session"), "optimizer": type(engine.optimizer).__name__,
+                 "error": stock_error, "warned": routing._warned_stock}
+    finally:
+        routing.uninstall_on_request()
+    return {"safe": safe, "stock": stock, "restored": deepspeed.initialize is routing._STOCK_INITIALIZE}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_block_routes_through_safe_zero_and_no_block_stays_stock(ranks, world_size):
+    for r in ranks.run(world_size, _route, stage=2, world_size=world_size):
+        assert r["safe"]["session"] and r["safe"]["registered"]
+        assert r["safe"]["optimizer"] == "SafeDeepSpeedZeroOptimizer"
+        assert len(r["safe"]["losses"]) == 2
+        assert not r["stock"]["session"] and r["stock"]["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert "'NoneType' object has no attribute" in r["stock"]["error"], "stock ZeRO-2 fails on the grad-less param"
+        assert r["stock"]["warned"], "a stock run while safe_zero routing is bound is announced on rank 0"
+        assert r["restored"]
