@@ -36,6 +36,12 @@ __version__ = "0.1.0"
 
 verify_bindings()
 
+# `safe_deepspeed*` strategy names for Lightning, registered once Lightning's strategies are imported
+# (Lightning itself is not imported here; nothing happens where it is not installed).
+from safe_zero.lightning._registration import register_when_imported as _register_lightning_strategies  # noqa: E402
+
+_register_lightning_strategies()
+
 __all__ = [
     "AlignmentError",
     "AlignmentWarning",

@@ -1,0 +1,37 @@
+"""Lightning integration: ``Trainer(strategy="safe_deepspeed_stage_3")`` and the same for Fabric.
+
+After ``import safe_zero``, every DeepSpeed strategy name Lightning registers has a ``safe_`` twin
+with the same meaning (``safe_deepspeed``, ``safe_deepspeed_stage_1``, ``safe_deepspeed_stage_2``,
+``safe_deepspeed_stage_2_offload``, ``safe_deepspeed_stage_3``, ``safe_deepspeed_stage_3_offload``,
+``safe_deepspeed_stage_3_offload_nvme``), in the registries of ``lightning.pytorch``,
+``lightning.fabric`` and, when installed, standalone ``pytorch_lightning`` and ``lightning_fabric``.
+
+Classes (importing them imports Lightning):
+    SafeDeepSpeedStrategy         ``lightning.pytorch``'s ``DeepSpeedStrategy`` through safe_zero.
+    SafeFabricDeepSpeedStrategy   ``lightning.fabric``'s ``DeepSpeedStrategy`` through safe_zero.
+The standalone packages' twins: ``safe_zero.lightning.pytorch_lightning.SafeDeepSpeedStrategy`` and
+``safe_zero.lightning.lightning_fabric.SafeFabricDeepSpeedStrategy``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from safe_zero.lightning._common import SAFE_PREFIX, PrecisionFallbackWarning, SafeLightningError
+
+_LAZY = {
+    "SafeDeepSpeedStrategy": "safe_zero.lightning.pytorch",
+    "SafeFabricDeepSpeedStrategy": "safe_zero.lightning.fabric",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import safe_zero` (which imports this package) does not import Lightning.
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["SAFE_PREFIX", "PrecisionFallbackWarning", "SafeDeepSpeedStrategy", "SafeFabricDeepSpeedStrategy",
+           "SafeLightningError"]

@@ -1,0 +1,277 @@
+"""What the safe Lightning strategies share: routing ``deepspeed.initialize`` and running on CPU.
+
+Nothing here corrects DeepSpeed itself: the fixes live in ``safe_zero.fixes`` and reach Lightning
+because its ``deepspeed.initialize`` calls are routed through :func:`safe_zero.initialize` for the
+duration of the strategy method that makes them. The rest handles the three places where
+Lightning's DeepSpeed strategies assume CUDA (REFERENCE §3), so development and CI run on CPU.
+
+The mixins serve both class trees of each API (``lightning.pytorch`` / ``pytorch_lightning`` and
+``lightning.fabric`` / ``lightning_fabric``): the sources are the same, only the packages differ.
+Each concrete class names the Lightning class it extends in ``_lightning_strategy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import inspect
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+from safe_zero._compat import SafeZeroError
+from safe_zero.options import CONFIG_KEY
+
+#: A safe strategy's registry name is Lightning's name with this prefix.
+SAFE_PREFIX = "safe_"
+
+#: The Lightning methods that call ``deepspeed.initialize``, per API; the safe strategies route each one.
+TRAINER_INITIALIZE_METHODS = ("_setup_model_and_optimizer", "_initialize_deepspeed_inference")
+FABRIC_INITIALIZE_METHODS = ("_initialize_engine",)
+
+
+class SafeLightningError(SafeZeroError):
+    """A Lightning setting the safe DeepSpeed strategies cannot run with, or a Lightning they do not fit."""
+
+
+class PrecisionFallbackWarning(UserWarning):
+    """``precision="16-mixed"`` on a CPU without fp16 support: bf16 mixed precision runs instead."""
+
+
+def check_lightning_fits(lightning_strategy: type, methods: tuple[str, ...]) -> None:
+    """Refuse a Lightning whose DeepSpeed strategy no longer calls ``deepspeed.initialize`` where we route it.
+
+    Overriding a method Lightning stopped calling would leave training silently stock.
+    """
+    missing = [name for name in methods if name not in vars(lightning_strategy)]
+    if missing:
+        package = lightning_strategy.__module__.split(".")[0]
+        distribution = {"lightning_fabric": "lightning-fabric", "pytorch_lightning": "pytorch-lightning"}.get(
+            package, package)
+        raise SafeLightningError(
+            f"{lightning_strategy.__module__}.{lightning_strategy.__qualname__} has no {', '.join(missing)}: this "
+            f"{distribution} ({importlib.metadata.version(distribution)}) calls deepspeed.initialize where "
+            "safe_zero does not route it. Install a release in safe_zero's supported range (the `lightning` extra).")
+
+
+def require_safe_engine(engine: Any) -> Any:
+    """Raise unless ``engine`` came out of :func:`safe_zero.initialize`."""
+    if getattr(engine, "safe_zero_session", None) is None:
+        from safe_zero.injection import InjectionError
+
+        raise InjectionError(
+            f"Lightning built a {type(engine).__name__} without safe_zero: its deepspeed.initialize call was not "
+            "routed. Please report this Lightning version.")
+    return engine
+
+
+class _SafeStrategyBase:
+    """Behaviour common to the Trainer and Fabric strategies; documented on the concrete classes."""
+
+    _lightning_strategy: type  # Lightning's DeepSpeedStrategy of the same class tree
+
+    def _runs_on_cpu(self) -> bool:
+        return self.root_device.type == "cpu"
+
+    # routing ------------------------------------------------------------------------------------------------------
+
+    def _safe_initialize(self, *args: Any, **kwargs: Any) -> tuple:
+        """``deepspeed.initialize`` as Lightning calls it, given CPU's device rank and the ``safe_zero`` block."""
+        import safe_zero
+
+        namespace = kwargs.get("args")
+        if isinstance(namespace, argparse.Namespace) and getattr(namespace, "device_rank", 0) is None:
+            # Lightning passes root_device.index, which CPU devices lack. DeepSpeed compares it with 0, and
+            # -1 would make it assume world size 1: pass the local rank, as a launcher would.
+            kwargs["args"] = argparse.Namespace(**{**vars(namespace), "device_rank": self.local_rank})
+        config = kwargs.get("config")
+        block = self.config.get(CONFIG_KEY) if isinstance(self.config, dict) else None
+        if block is not None and isinstance(config, dict) and CONFIG_KEY not in config:
+            # Lightning's inference path builds a fresh config; keep the user's safe_zero options in it.
+            kwargs["config"] = {**config, CONFIG_KEY: block}
+        return safe_zero.initialize(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _routed_initialize(self) -> Iterator[None]:
+        """``deepspeed.initialize`` resolves to :meth:`_safe_initialize` inside; restored on exit."""
+        import deepspeed
+
+        from safe_zero.injection import _LOCK
+
+        # Lightning reads deepspeed.initialize at call time. safe_zero's injection lock keeps another thread's
+        # initialize from running while the name is rebound.
+        with _LOCK:
+            stock = deepspeed.initialize
+            deepspeed.initialize = self._safe_initialize
+            try:
+                yield
+            finally:
+                deepspeed.initialize = stock
+
+    # CPU ----------------------------------------------------------------------------------------------------------
+
+    def _check_cpu(self, precision_plugin: Any) -> None:
+        """Check a CPU run before Lightning writes precision into the DeepSpeed config; apply the 16-mixed fallback."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if accelerator.device_name() != "cpu":
+            raise SafeLightningError(
+                f"accelerator='cpu' was selected but DeepSpeed's accelerator is {accelerator.device_name()!r}. "
+                "Set DS_ACCELERATOR=cpu in the environment before deepspeed is imported.")
+        if accelerator.is_fp16_supported():
+            return
+        user_fp16 = isinstance(self.config, dict) and bool((self.config.get("fp16") or {}).get("enabled"))
+        if user_fp16 or precision_plugin.precision == "16-true":
+            what = 'an enabled "fp16" block in the DeepSpeed config' if user_fp16 else "precision='16-true'"
+            raise SafeLightningError(
+                f"{what} cannot run on this CPU: DeepSpeed has no fp16 support for it. Use precision='bf16-mixed' "
+                "(or 'bf16-true') and leave fp16 out of the config.")
+        if precision_plugin.precision == "16-mixed":
+            warnings.warn(
+                "precision='16-mixed' on a CPU without fp16 support: DeepSpeed cannot run fp16 here, so "
+                "precision='bf16-mixed' is used instead, as Lightning does for CPU AMP. Pass "
+                "precision='bf16-mixed' to silence this.", PrecisionFallbackWarning, stacklevel=3)
+            # Re-initialised in place because the Trainer/Fabric hold this very plugin object.
+            precision_plugin.__init__("bf16-mixed")
+
+    @contextlib.contextmanager
+    def _indexed_cpu_devices(self) -> Iterator[None]:
+        """CPU devices numbered by local rank, for the duration of Lightning's device-index check.
+
+        Lightning compares device indices with local ranks (a CUDA_VISIBLE_DEVICES hint); CPU devices carry
+        no index, so the check refuses every CPU run.
+        """
+        devices = self.parallel_devices
+        self.parallel_devices = [torch.device("cpu", i) for i in range(len(devices))]
+        try:
+            yield
+        finally:
+            self.parallel_devices = devices
+
+    def _setup_environment_without_cuda_check(self) -> None:
+        # Lightning's DeepSpeedStrategy.setup_environment only refuses non-CUDA accelerators, then defers upward.
+        super(self._lightning_strategy, self).setup_environment()  # type: ignore[misc]
+
+    # registry -----------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register a ``safe_`` twin of every name Lightning registered for its DeepSpeedStrategy. Idempotent.
+
+        Each twin copies the description and init params of Lightning's own entry, so
+        ``safe_deepspeed_stage_3`` means exactly what ``deepspeed_stage_3`` means, through safe_zero.
+        """
+        for name, entry in list(strategy_registry.items()):
+            if entry["strategy"] is not cls._lightning_strategy:
+                continue
+            twin = SAFE_PREFIX + name
+            # dict.get: the registry's own get() instantiates the strategy.
+            if (dict.get(strategy_registry, twin) or {}).get("strategy") is cls:
+                continue
+            strategy_registry.register(
+                twin, cls, description=f"{entry['description']}, through safe_zero", **entry["init_params"])
+
+
+class TrainerStrategyMixin(_SafeStrategyBase):
+    """The overrides of the Trainer's ``DeepSpeedStrategy`` (lightning.pytorch and pytorch_lightning)."""
+
+    def setup_environment(self) -> None:
+        if self._runs_on_cpu():
+            self._check_cpu(self.precision_plugin)
+            self._setup_environment_without_cuda_check()
+        else:
+            super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        with self._indexed_cpu_devices() if self._runs_on_cpu() else contextlib.nullcontext():
+            super().setup_distributed()
+
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> tuple:
+        with self._routed_initialize():
+            engine, optimizer = super()._setup_model_and_optimizer(*args, **kwargs)
+        return require_safe_engine(engine), optimizer
+
+    def _initialize_deepspeed_inference(self, *args: Any, **kwargs: Any) -> None:
+        with self._routed_initialize():
+            super()._initialize_deepspeed_inference(*args, **kwargs)
+        require_safe_engine(self.model)
+
+
+class FabricStrategyMixin(_SafeStrategyBase):
+    """The overrides of Fabric's ``DeepSpeedStrategy`` (lightning.fabric and lightning_fabric)."""
+
+    def setup_environment(self) -> None:
+        if self._runs_on_cpu():
+            self._check_cpu(self.precision)
+            self._setup_environment_without_cuda_check()
+        else:
+            super().setup_environment()
+
+    def _setup_distributed(self) -> None:
+        with self._indexed_cpu_devices() if self._runs_on_cpu() else contextlib.nullcontext():
+            super()._setup_distributed()
+
+    def _initialize_engine(self, *args: Any, **kwargs: Any) -> tuple:
+        with self._routed_initialize():
+            engine, optimizer, scheduler = super()._initialize_engine(*args, **kwargs)
+        return require_safe_engine(engine), optimizer, scheduler
+
+
+_INTRO = """\
+Lightning's {api} ``DeepSpeedStrategy``, with safe_zero's fixes.
+
+Select it by name after ``import safe_zero``: every DeepSpeed name Lightning registers has a
+``safe_`` twin with the same meaning ({example}), or pass an instance
+(``{instance}``), or give the class path ``{path}`` where Lightning takes one (LightningCLI).
+
+What differs from Lightning's strategy:
+
+* Every ``deepspeed.initialize`` the strategy makes goes through :func:`safe_zero.initialize`, so
+  zero-sized parameters, trainable parameters that get no gradient and grouped_mm expert weights
+  train under ZeRO. The engine carries ``engine.safe_zero_session`` (``.report`` says which fixes
+  acted). A Lightning that builds its engine some other way is refused, never run stock.
+* safe_zero options: a ``"safe_zero"`` block in ``config`` (keys ``fixes``, ``alignment``,
+  ``alignment_guard``; see :class:`safe_zero.SafeZeroOptions`). When Lightning builds the config
+  from the arguments below, set ``strategy.config["safe_zero"] = {{...}}`` after construction.
+* ``accelerator="cpu"`` runs, on one or more processes (gloo), for development and CI. DeepSpeed
+  must use its CPU accelerator (``DS_ACCELERATOR=cpu`` before deepspeed is imported), else
+  :class:`~safe_zero.lightning.SafeLightningError`. Lightning's three CUDA assumptions are
+  bypassed: its refusal of non-CUDA accelerators, its check that device indices equal local ranks
+  (CPU devices have none), and the ``device_rank`` it hands DeepSpeed (the local rank is passed).
+* Precision on a CPU without fp16 support (DeepSpeed's ``is_fp16_supported()``):
+  ``precision="16-mixed"`` runs as ``"bf16-mixed"`` with a
+  :class:`~safe_zero.lightning.PrecisionFallbackWarning`, as Lightning does for CPU AMP;
+  ``precision="16-true"`` or an enabled ``"fp16"`` block in ``config`` raises
+  :class:`~safe_zero.lightning.SafeLightningError`, since no fallback keeps their meaning.
+  ``bf16-mixed`` and ``bf16-true`` are the same under DeepSpeed.
+"""
+
+
+#: The constructor arguments Lightning leaves undocumented (the Trainer/Fabric fill them in).
+_UNDOCUMENTED_BY_LIGHTNING = {
+    "accelerator": "The accelerator, normally set by the Trainer/Fabric from ``accelerator=``: CUDA, or CPU "
+                   "(see above).",
+    "parallel_devices": "The devices of the processes, normally set by the Trainer/Fabric from ``devices=``.",
+    "cluster_environment": "Where ranks and the main address come from, normally chosen by the Trainer/Fabric.",
+    "precision_plugin": "The DeepSpeed precision plugin, normally made by the Trainer from ``precision=`` "
+                        "(see the CPU precision notes above).",
+    "precision": "The DeepSpeed precision plugin, normally made by Fabric from ``precision=`` "
+                 "(see the CPU precision notes above).",
+    "process_group_backend": "The torch.distributed backend; by default ``nccl`` on CUDA and ``gloo`` on CPU.",
+    "timeout": "Timeout of the process group's collectives.",
+}
+
+
+def compose_docstring(lightning_strategy: type, **fields: str) -> str:
+    """The class docstring: safe_zero's part, then the documentation of every argument of Lightning's constructor."""
+    lightning_doc = inspect.cleandoc(lightning_strategy.__init__.__doc__ or "")
+    marker = next((m for m in ("Arguments:", "Args:") if m in lightning_doc), None)
+    arguments = lightning_doc[lightning_doc.index(marker) + len(marker):].strip("\n") if marker else ""
+    for name in inspect.signature(lightning_strategy).parameters:
+        if f"    {name}:" not in arguments and name in _UNDOCUMENTED_BY_LIGHTNING:
+            arguments += f"\n\n    {name}: {_UNDOCUMENTED_BY_LIGHTNING[name]}"
+    where = f"{lightning_strategy.__module__}.{lightning_strategy.__qualname__}"
+    return (_INTRO.format(**fields) + f"\nThe constructor is {where}'s, unchanged.\n\nArgs:\n{arguments}\n")

@@ -1,0 +1,20 @@
+"""``SafeDeepSpeedStrategy`` for ``lightning.pytorch``'s Trainer."""
+
+from lightning.pytorch.strategies import DeepSpeedStrategy
+
+from safe_zero.lightning._common import TRAINER_INITIALIZE_METHODS, TrainerStrategyMixin, check_lightning_fits, \
+    compose_docstring
+
+check_lightning_fits(DeepSpeedStrategy, TRAINER_INITIALIZE_METHODS)
+
+
+class SafeDeepSpeedStrategy(TrainerStrategyMixin, DeepSpeedStrategy):
+    _lightning_strategy = DeepSpeedStrategy
+    strategy_name = "safe_deepspeed"
+
+
+SafeDeepSpeedStrategy.__doc__ = compose_docstring(
+    DeepSpeedStrategy, api="Trainer (``lightning.pytorch``)",
+    example='``Trainer(strategy="safe_deepspeed_stage_3")``',
+    instance="Trainer(strategy=SafeDeepSpeedStrategy(stage=3))",
+    path="safe_zero.lightning.SafeDeepSpeedStrategy")

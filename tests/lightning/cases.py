@@ -1,0 +1,286 @@
+"""Lightning and Fabric runs shared by the in-process tests (devices=1, on the rank pool) and two_devices.py.
+
+Every case is a module-level function that returns plain data (lists, bools, ints), so the same
+function serves as a rank body of ``tests.rig`` and as one step of the 2-process script.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader
+
+import safe_zero
+from tests.models import _DropGrad
+
+STEPS = 5
+BATCH = 2
+
+
+class Core(nn.Module):
+    """A zero-sized layer used in the loss, a parameter that gets no gradient, and a grouped_mm expert block.
+
+    ``sink`` (3 elements, 6 bytes in bf16) sits before the experts so that their slice in a flat buffer
+    lands off the 16-byte grid unless safe_zero aligns it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(8, 8)
+        self.empty = nn.Linear(8, 0, bias=False)
+        self.dqweight = nn.Parameter(torch.full((4, 8), 0.125))
+        self.sink = nn.Parameter(torch.zeros(3))
+        self.experts = safe_zero.mark_grouped_mm(nn.Parameter(torch.randn(2, 8, 8) * 0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _DropGrad.apply(torch.relu(self.dense(x)), self.dqweight)
+        # Half the rows go to each expert.
+        offs = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32, device=x.device)
+        y = F.grouped_mm(h, self.experts, offs=offs)
+        return y.pow(2).mean() + self.sink.sum() * 1e-3 + self.empty(x).sum()
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = Core()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.core(batch)
+        self.losses.append(loss.detach().float().item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def data(world_size: int) -> DataLoader:
+    """``STEPS`` batches per rank per epoch, every row the same: losses fall, and a resumed run sees the same data
+    whatever order Lightning's sampler draws in."""
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(torch.randn(1, 8, generator=g).repeat(STEPS * BATCH * world_size, 1), batch_size=BATCH)
+
+
+def build(seed: int) -> Module:
+    torch.manual_seed(seed)
+    return Module()
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (gathered under ZeRO-3), as float32 copies. Collective under ZeRO-3."""
+    import deepspeed
+
+    params = dict(module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {name: p.detach().float().clone() for name, p in params.items()}
+
+
+def _trainer(strategy: Any, devices: int, max_steps: int, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-mixed",
+                      max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+
+class _CaptureAtStart(pl.Callback):
+    """The weights the resumed run starts from (after Lightning restored the checkpoint)."""
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.state = full_state(module)
+
+
+def trainer_fits(strategy: str, devices: int, tmp: str) -> dict[str, Any]:
+    """Fit STEPS steps, save, resume from the checkpoint and continue, convert; return what to assert on."""
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    model = build(seed=0)
+    before = model.core.dqweight.detach().clone()
+    trainer = _trainer(strategy, devices, STEPS)
+    trainer.fit(model, data(devices))
+    engine = trainer.strategy.model
+    session = engine.safe_zero_session
+    after = full_state(model)
+    experts_ptr = model.core.experts.data_ptr() % 16 if model.core.experts.numel() else None
+    ckpt = os.path.join(tmp, f"{strategy}.ckpt")
+    trainer.save_checkpoint(ckpt)
+
+    # Resume in a fresh Trainer with a differently initialised module, run 2 more steps.
+    capture = _CaptureAtStart()
+    resumed = build(seed=1)
+    trainer2 = _trainer(strategy, devices, STEPS + 2, callbacks=[capture])
+    trainer2.fit(resumed, data(devices), ckpt_path=ckpt)
+    continued = full_state(resumed)
+    # The same 7 steps in one go: the resumed run must match it bit for bit (weights and optimizer state).
+    straight = build(seed=0)
+    _trainer(strategy, devices, STEPS + 2).fit(straight, data(devices))
+    straight_state = full_state(straight)
+
+    converted: dict[str, Any] = {}
+    if trainer.global_rank == 0:
+        out = os.path.join(tmp, f"{strategy}.fp32.pt")
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, out)
+        fresh = Module()
+        result = fresh.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
+        converted = {
+            "strict_ok": not result.missing_keys and not result.unexpected_keys,
+            "equal_as_bf16": all(torch.equal(p.detach().to(torch.bfloat16).float(), after[n])
+                                 for n, p in fresh.named_parameters()),
+            "shapes": {n: list(p.shape) for n, p in fresh.named_parameters()},
+        }
+    return {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "steps": trainer.global_step,
+        "losses": model.losses,
+        "engine": type(engine).__name__,
+        "optimizer": type(engine.optimizer).__name__,
+        "fixes_engaged": sorted(session.report),
+        "shapes": {n: list(t.shape) for n, t in after.items()},
+        "gradless_unchanged": torch.equal(after["core.dqweight"], before.to(torch.bfloat16).float()),
+        "experts_ptr_mod16": experts_ptr,
+        "restored_equal": all(torch.equal(capture.state[n], after[n]) for n in after),
+        "resumed_steps": trainer2.global_step,
+        "resumed_losses": resumed.losses,
+        "resume_matches_straight": all(torch.equal(continued[n], straight_state[n]) for n in continued),
+        "converted": converted,
+    }
+
+
+def trainer_fails(strategy: Any, devices: int) -> None:
+    """Fit with ``strategy`` (a registry name, or a strategy) and let the error out."""
+    _trainer(strategy, devices, STEPS).fit(build(seed=0), data(devices))
+
+
+def trainer_with_stock_deepspeed(strategy: str, devices: int) -> None:
+    """The safe strategy's CPU path with DeepSpeed's own ``initialize``: what the stock names meet on a GPU."""
+    from unittest import mock
+
+    import deepspeed
+
+    from safe_zero.lightning import _common
+
+    stock = deepspeed.initialize
+    with mock.patch.object(safe_zero, "initialize", stock), \
+            mock.patch.object(_common, "require_safe_engine", lambda engine: engine):
+        trainer_fails(strategy, devices)
+
+
+def fabric_fits(strategy: str, devices: int, tmp: str) -> dict[str, Any]:
+    """Fabric: STEPS steps, save, load into a fresh module, convert; return what to assert on."""
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-mixed")
+    fabric.launch()
+    torch.manual_seed(0)
+    core = Core()
+    before = core.dqweight.detach().clone()
+    model, optimizer = fabric.setup(core, torch.optim.Adam(core.parameters(), lr=1e-2))
+    losses = []
+    for x in fabric.setup_dataloaders(data(devices)):
+        loss = model(x)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().float().item())
+    after = full_state(core)
+    ckpt = os.path.join(tmp, f"fabric-{strategy}.ckpt")
+    fabric.save(ckpt, {"model": model, "optimizer": optimizer, "step": len(losses)})
+
+    torch.manual_seed(1)
+    fresh_core = Core()
+    fresh_model, fresh_optimizer = fabric.setup(fresh_core, torch.optim.Adam(fresh_core.parameters(), lr=1e-2))
+    state = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
+    fabric.load(ckpt, state)
+    restored = full_state(fresh_core)
+
+    converted: dict[str, Any] = {}
+    if fabric.global_rank == 0:
+        out = os.path.join(tmp, f"fabric-{strategy}.fp32.pt")
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, out)
+        plain = Core()
+        result = plain.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
+        converted = {
+            "strict_ok": not result.missing_keys and not result.unexpected_keys,
+            "equal_as_bf16": all(torch.equal(p.detach().to(torch.bfloat16).float(), after[n])
+                                 for n, p in plain.named_parameters()),
+        }
+    engine = fabric.strategy.model
+    return {
+        "rank": fabric.global_rank,
+        "world_size": fabric.world_size,
+        "losses": losses,
+        "engine": type(engine).__name__,
+        "fixes_engaged": sorted(engine.safe_zero_session.report),
+        "shapes": {n: list(t.shape) for n, t in after.items()},
+        "gradless_unchanged": torch.equal(after["dqweight"], before.to(torch.bfloat16).float()),
+        "restored_equal": all(torch.equal(restored[n], after[n]) for n in after),
+        "restored_step": state["step"],
+        "converted": converted,
+    }
+
+
+
+def trainer_precision(precision: str, fp16_config: bool = False) -> dict[str, Any]:
+    """Two steps at ``precision`` (optionally with an explicit fp16 block); what ran and what was warned."""
+    import warnings
+
+    from safe_zero.lightning import PrecisionFallbackWarning, SafeDeepSpeedStrategy
+
+    config = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "fp16": {"enabled": True}}
+    strategy = SafeDeepSpeedStrategy(config=config) if fp16_config else SafeDeepSpeedStrategy(stage=2)
+    model = build(seed=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data(1))
+    engine = trainer.strategy.model
+    return {
+        "fallback_warnings": [str(w.message) for w in caught if issubclass(w.category, PrecisionFallbackWarning)],
+        "plugin": trainer.precision_plugin.precision,
+        "bf16": engine.bfloat16_enabled(),
+        "fp16": engine.fp16_enabled(),
+        "param_dtype": str(model.core.dense.weight.dtype),
+        "losses": model.losses,
+    }
+
+
+def fabric_precision(precision: str) -> dict[str, Any]:
+    """Fabric: one step at ``precision``; what ran and what was warned."""
+    import warnings
+
+    from safe_zero.lightning import PrecisionFallbackWarning
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="safe_deepspeed_stage_2", precision=precision)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.launch()
+        torch.manual_seed(0)
+        core = Core()
+        model, optimizer = fabric.setup(core, torch.optim.Adam(core.parameters(), lr=1e-2))
+    loss = model(next(iter(data(1))))
+    fabric.backward(loss)
+    optimizer.step()
+    return {
+        "fallback_warnings": [str(w.message) for w in caught if issubclass(w.category, PrecisionFallbackWarning)],
+        "plugin": fabric.strategy.precision.precision,
+        "bf16": fabric.strategy.model.bfloat16_enabled(),
+        "loss_dtype": str(loss.dtype),
+        "loss": loss.float().item(),
+    }
+
+
+def trainer_with_gpu_deepspeed(devices: int) -> None:
+    """accelerator='cpu' while DeepSpeed's accelerator is not the CPU one."""
+    from unittest import mock
+
+    cuda_like = mock.Mock(**{"device_name.return_value": "cuda"})
+    with mock.patch("deepspeed.accelerator.get_accelerator", return_value=cuda_like):
+        trainer_fails("safe_deepspeed_stage_2", devices)
