@@ -57,6 +57,9 @@ class Module(pl.LightningModule):
         self.losses.append(loss.detach().float().item())
         return loss
 
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.core(batch)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
@@ -284,3 +287,26 @@ def trainer_with_gpu_deepspeed(devices: int) -> None:
     cuda_like = mock.Mock(**{"device_name.return_value": "cuda"})
     with mock.patch("deepspeed.accelerator.get_accelerator", return_value=cuda_like):
         trainer_fails("safe_deepspeed_stage_2", devices)
+
+
+def trainer_predicts(stage: int) -> dict[str, Any]:
+    """Trainer.predict: Lightning's inference engine (a fresh config) through safe_zero, with the user's options."""
+    import copy
+
+    from safe_zero.lightning import SafeDeepSpeedStrategy
+
+    strategy = SafeDeepSpeedStrategy(stage=stage)
+    strategy.config["safe_zero"] = {"alignment_guard": False}
+    model = build(seed=0)
+    batch = next(iter(data(1)))
+    expected = copy.deepcopy(model.core).to(torch.bfloat16)(batch.to(torch.bfloat16)).float().item()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    outputs = trainer.predict(model, dataloaders=data(1))
+    engine = trainer.strategy.model
+    return {
+        "outputs": [o.float().item() for o in outputs],
+        "expected": expected,
+        "options_carried": engine.safe_zero_session.options.alignment_guard is False,
+        "fixes_engaged": sorted(engine.safe_zero_session.report),
+    }

@@ -77,6 +77,15 @@ def test_fabric_fits_saves_loads_and_converts_on_one_cpu(ranks, tmp_path):
     _check_fabric(r, world_size=1)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_predicts_through_safe_zero_with_the_users_options(ranks, stage):
+    (r,) = ranks.run(1, cases.trainer_predicts, stage=stage)
+    assert r["outputs"] == [r["expected"]] * cases.STEPS, "the engine must compute what the module computes"
+    assert r["options_carried"], "the strategy's safe_zero block must reach Lightning's inference config"
+    if stage == 3:
+        assert "zero3_zero_element_params" in r["fixes_engaged"]
+
+
 def test_stock_names_refuse_the_cpu(ranks):
     with pytest.raises(RankFailure, match=r"only supported on CUDA GPUs but `CPUAccelerator` is used"):
         ranks.run(1, cases.trainer_fails, strategy="deepspeed_stage_3", devices=1)
