@@ -21,16 +21,22 @@ STEPS = 4
 
 
 class ZeroSizedAndGradless(nn.Module):
-    """A zero-sized parameter (``nn.Linear(8, 0)``) and a trainable parameter that never gets a gradient."""
+    """A zero-sized parameter (``nn.Linear(8, 0)``), a trainable parameter that never gets a gradient,
+    and a 3-D experts weight that a grouped matmul reads, placed off the 16-byte grid by ``scale``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dense = nn.Linear(8, 8)
         self.empty = nn.Linear(8, 0, bias=False)
         self.dqweight = nn.Parameter(torch.full((4, 8), 0.125))
+        self.scale = nn.Parameter(torch.ones(3))  # 6 bf16 bytes: the experts weight starts off the 16-byte grid
+        self.experts = nn.Parameter(torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(2)) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DropGrad.apply(self.dense(x), self.dqweight).pow(2).mean() + self.empty(x).sum()
+        h = self.dense(x)
+        moe = torch.einsum("bi,eio->beo", h, self.experts)
+        return (_DropGrad.apply(h, self.dqweight).pow(2).mean() + moe.pow(2).mean()
+                + (h[:, :3] * self.scale).pow(2).mean() + self.empty(x).sum())
 
 
 def emit(**fields) -> None:
@@ -40,17 +46,23 @@ def emit(**fields) -> None:
 def train(accelerator, phase: str) -> None:
     import deepspeed
 
+    import safe_zero
+
     torch.manual_seed(0)
-    model = ZeroSizedAndGradless()
+    model = safe_zero.mark_grouped_mm(ZeroSizedAndGradless())
     dq_before = model.dqweight.detach().clone()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     # Every batch is the same two rows, on every rank: the loss must fall step after step.
     batch = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
     data = torch.utils.data.DataLoader(batch.repeat(STEPS * accelerator.num_processes, 1), batch_size=2)
     rank = accelerator.process_index
+    stage = accelerator.state.deepspeed_plugin.zero_stage
     losses: list[float] = []
+    experts_offset = None  # ZeRO-2 only: there the experts weight is a view into the flat bf16 buffer
     try:
         model, optimizer, data = accelerator.prepare(model, optimizer, data)
+        if stage == 2:
+            experts_offset = model.module.experts.data_ptr() % 16
         for x in data:
             loss = model(x.to(torch.bfloat16))
             accelerator.backward(loss)
@@ -58,16 +70,17 @@ def train(accelerator, phase: str) -> None:
             optimizer.zero_grad()
             losses.append(loss.float().item())
     except Exception as e:  # the stock run's error is the result
-        emit(phase=phase, rank=rank, error=f"{type(e).__name__}: {e}".splitlines()[0][:400], losses=losses)
+        emit(phase=phase, rank=rank, error=f"{type(e).__name__}: {e}".splitlines()[0][:400], losses=losses,
+             experts_offset=experts_offset)
         return
     module = model.module
-    stage = accelerator.state.deepspeed_plugin.zero_stage
     params = [module.empty.weight, module.dqweight]
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         empty_shape = list(module.empty.weight.shape)
         dq_unchanged = torch.equal(module.dqweight.detach().float(), dq_before.to(torch.bfloat16).float())
     session = getattr(model, "safe_zero_session", None)
     emit(phase=phase, rank=rank, error=None, losses=losses, stage=stage, world=accelerator.num_processes,
+         experts_offset=experts_offset, experts_offset_after=module.experts.data_ptr() % 16 if stage == 2 else None,
          empty_shape=empty_shape, dq_unchanged=dq_unchanged,
          safe=session is not None, engaged=sorted(session.report) if session else [],
          request="safe_zero" in accelerator.state.deepspeed_plugin.deepspeed_config)
