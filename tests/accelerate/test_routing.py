@@ -46,3 +46,29 @@ def test_block_routes_through_safe_zero_and_no_block_stays_stock(ranks, world_si
         assert "'NoneType' object has no attribute" in r["stock"]["error"], "stock ZeRO-2 fails on the grad-less param"
         assert r["stock"]["warned"], "a stock run while safe_zero routing is bound is announced on rank 0"
         assert r["restored"]
+
+
+def _accelerate_counts_one_process() -> str:
+    import deepspeed
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    from safe_zero.accelerate import WorldSizeMismatchError, routing
+
+    routing.install_on_request()
+    try:
+        PartialState()  # what a plain Accelerator() builds on a CPU host: no backend, one process
+        try:
+            deepspeed.initialize(model=build(Gradless), config={**ds_config(2, world_size=2), "safe_zero": {}})
+        except WorldSizeMismatchError as e:
+            return str(e)
+        return "no error"
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        routing.uninstall_on_request()
+
+
+def test_a_cpu_world_size_mismatch_stops_before_deepspeed_and_says_what_to_pass(ranks):
+    for message in ranks.run(2, _accelerate_counts_one_process):
+        assert message.startswith("Accelerate counts 1 process(es) but the DeepSpeed process group has 2"), message
+        assert "safe_zero.accelerate.cpu_distributed_state()" in message and 'PartialState(backend="gloo")' in message
