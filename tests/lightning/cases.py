@@ -102,10 +102,14 @@ def trainer_fits(strategy: str, devices: int, tmp: str) -> dict[str, Any]:
     """Fit STEPS steps, save, resume from the checkpoint and continue, convert; return what to assert on."""
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
+    import deepspeed
+
+    stock_initialize = deepspeed.initialize
     model = build(seed=0)
     before = model.core.dqweight.detach().clone()
     trainer = _trainer(strategy, devices, STEPS)
     trainer.fit(model, data(devices))
+    initialize_restored = deepspeed.initialize is stock_initialize
     engine = trainer.strategy.model
     session = engine.safe_zero_session
     after = full_state(model)
@@ -143,6 +147,7 @@ def trainer_fits(strategy: str, devices: int, tmp: str) -> dict[str, Any]:
         "losses": model.losses,
         "engine": type(engine).__name__,
         "optimizer": type(engine.optimizer).__name__,
+        "initialize_restored": initialize_restored,
         "fixes_engaged": sorted(session.report),
         "shapes": {n: list(t.shape) for n, t in after.items()},
         "gradless_unchanged": torch.equal(after["core.dqweight"], before.to(torch.bfloat16).float()),
