@@ -55,6 +55,18 @@ def set_current_session(session: Session | None) -> None:
     _current = session
 
 
+class CapturesSession:
+    """First base of every safe class: binds the current session before DeepSpeed's constructor runs.
+
+    Some wrappers first consult their session long after ``initialize`` returned (ZeRO-3 hooks
+    run during training); capturing it at construction keeps them on the caller's options.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        session_for(self)
+        super().__init__(*args, **kwargs)
+
+
 def session_for(wrapper: Any) -> Session:
     """The session ``wrapper`` belongs to, captured on first use.
 
