@@ -15,6 +15,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
 from safe_zero.fixes.gradless_params import ZeroFillMissingGradsStage3, ZeroFillMissingGradsStage12
 from safe_zero.fixes.grouped_mm_alignment import AlignFlatGroups, AlignRoundRobinGroups
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
@@ -33,7 +34,7 @@ class SafeBF16_Optimizer(AlignFlatGroups, ExcludeZeroElementParams, BF16_Optimiz
 
 
 class SafeDeepSpeedZeroOptimizer(AlignRoundRobinGroups, ZeroFillMissingGradsStage12, ExcludeZeroElementParams,
-                                 DeepSpeedZeroOptimizer):
+                                 DetachFlatBuffers, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 optimizer."""
 
 

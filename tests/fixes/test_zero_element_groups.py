@@ -1,0 +1,287 @@
+"""Zero-element trainable parameters in the flattening wrappers (issue 2 items 5a/5b, issue 10 item 2).
+
+On DeepSpeed < 0.19.8 the fp16/bf16/ZeRO-1/2 wrappers take a zero-element parameter into
+their flat groups. Three symptoms, each asserted here on the leg that has it:
+- 0.18.9 ZeRO-1/2: ``KeyError`` in ``average_tensor`` on the first backward (5b);
+- 0.18.9 ZeRO-1/2 with a placeholder inside a partition (FP-Quant's layout): ``fragment start N
+  should be < fragment_end N`` at initialize;
+- with a torch whose ``unflatten_dense_tensors`` returns ``zeros({0})`` for a zero-element tensor
+  (torch <= 2.9; 2.13 keeps the shape, so it is emulated): the parameter is rebound as ``(0,)``
+  (5a). DeepSpeed 0.19.8 keeps such parameters out of every group, so there stock passes and
+  the fix stays off: the tests assert that too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from safe_zero._compat import DEEPSPEED_VERSION
+from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
+from tests.models import Control, ZeroSized, build, ds_config, train
+from tests.rig import RankFailure
+
+NEEDED = zero_element_groups.FIX.needed(DEEPSPEED_VERSION)
+
+
+class _QuantLinear(nn.Module):
+    """FP-Quant's layout: sized bf16 tensors beside a trainable ``(0,)`` float32 placeholder."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        linear = nn.Linear(in_features, out_features)
+        self.bias = nn.Parameter(linear.bias.detach().to(torch.bfloat16))
+        # Registered between two sized tensors, so it sits inside a ZeRO partition, not on its edge.
+        self.weight = nn.Parameter(torch.zeros(0))
+        self.qweight = nn.Parameter(linear.weight.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.qweight, self.bias)
+
+
+class FPQuantLike(nn.Module):
+    """``Control`` rebuilt from quantized-style layers: at world size 2 each rank's partition holds a placeholder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q1 = _QuantLinear(8, 8)
+        self.q2 = _QuantLinear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q2(torch.relu(self.q1(x))).pow(2).mean()
+
+
+MODELS = {"Control": Control, "ZeroSized": ZeroSized, "FPQuantLike": FPQuantLike}
+
+
+def _zero_element_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in module.named_parameters() if p.numel() == 0}
+
+
+def train_and_roundtrip(model: str, stage: int, safe: bool, world_size: int, ckpt_dir: str, steps: int = 3) -> dict:
+    """Train ``steps``, checkpoint, load into a fresh differently-seeded engine, train both on."""
+    import deepspeed
+
+    import safe_zero
+    init = safe_zero.initialize if safe else deepspeed.initialize
+    config = ds_config(stage, world_size=world_size)
+
+    first = build(MODELS[model], seed=0)
+    expected_shapes = _zero_element_shapes(first)
+    # DeepSpeed pops keys (torch_adam) out of the config it is given: each engine gets its own copy.
+    engine, *_ = init(model=first, model_parameters=first.parameters(), config=copy.deepcopy(config))
+    result: dict[str, Any] = {
+        "wrapper": type(engine.optimizer).__name__,
+        "report": dict(getattr(engine, "safe_zero_session", None).report) if safe else None,
+        "expected_shapes": expected_shapes,
+        "shapes_init": _zero_element_shapes(engine.module),
+    }
+    result["losses"] = train(engine, steps)
+    result["shapes_after"] = _zero_element_shapes(engine.module)
+
+    engine.save_checkpoint(ckpt_dir, tag="roundtrip")
+    saved = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    saved_master = [t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]
+
+    second = build(MODELS[model], seed=1)
+    fresh, *_ = init(model=second, model_parameters=second.parameters(), config=copy.deepcopy(config))
+    result["differed_before_load"] = [n for n, p in fresh.module.named_parameters()
+                                      if p.numel() and not torch.equal(p, saved[n])]
+    fresh.load_checkpoint(ckpt_dir, tag="roundtrip")
+    loaded = dict(fresh.module.named_parameters())
+    result["not_restored"] = [n for n, p in saved.items()
+                              if loaded[n].shape != p.shape or loaded[n].dtype != p.dtype or not torch.equal(loaded[n], p)]
+    result["master_restored"] = len(saved_master) == len(fresh.optimizer.single_partition_of_fp32_groups) and all(
+        torch.equal(a, b) for a, b in zip(saved_master, fresh.optimizer.single_partition_of_fp32_groups))
+    result["shapes_loaded"] = _zero_element_shapes(fresh.module)
+    # Both engines now hold the same state: the same further batches must give the same losses.
+    result["continued"] = train(engine, 2, seed=1)
+    result["continued_fresh"] = train(fresh, 2, seed=1)
+    return result
+
+
+def check_trained_and_restored(results: list[dict], steps: int = 3) -> None:
+    """Assertions shared with ``test_flat_buffer_autograd``: training, shapes, bit-identical round trip."""
+    for r in results:
+        assert len(r["losses"]) == steps
+        assert all(torch.isfinite(torch.tensor(r["losses"] + r["continued"])))
+        assert r["losses"][-1] < r["losses"][0], r["losses"]
+        assert r["shapes_init"] == r["expected_shapes"] == r["shapes_after"] == r["shapes_loaded"]
+        assert r["differed_before_load"], "the fresh engine must start from other values, or the round trip proves nothing"
+        assert r["not_restored"] == [], f"parameters not restored bit-identically: {r['not_restored']}"
+        assert r["master_restored"], "the fp32 master partition must be restored bit-identically"
+        assert r["continued"] == r["continued_fresh"]
+    assert results[0]["losses"] == results[-1]["losses"], "ranks must agree"
+
+
+# --- 5b: zero-sized trainable parameter in ZeRO-1/2 gradient reduction --------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stock_zero12_with_a_zero_sized_parameter(ranks, tmp_path, stage, world_size):
+    run = dict(model="ZeroSized", stage=stage, safe=False, world_size=world_size, ckpt_dir=str(tmp_path))
+    if NEEDED:
+        with pytest.raises(RankFailure, match=r"KeyError: \d+") as failure:
+            ranks.run(world_size, train_and_roundtrip, **run)
+        assert len(failure.value.errors) == world_size
+        assert "in average_tensor" in failure.value.errors[0].traceback
+    else:
+        check_trained_and_restored(ranks.run(world_size, train_and_roundtrip, **run))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_safe_zero12_trains_and_restores_a_zero_sized_parameter(ranks, tmp_path, stage, world_size):
+    results = ranks.run(world_size, train_and_roundtrip, model="ZeroSized", stage=stage, safe=True,
+                        world_size=world_size, ckpt_dir=str(tmp_path))
+    check_trained_and_restored(results)
+    for r in results:
+        assert r["wrapper"] == "SafeDeepSpeedZeroOptimizer"
+        assert r["shapes_after"] == {"empty.weight": (0, 8)}
+        if NEEDED:
+            assert r["report"]["zero_element_groups"] == ["1 zero-element parameter(s) kept out of SafeDeepSpeedZeroOptimizer"]
+        else:
+            assert "zero_element_groups" not in r["report"]
+
+
+# --- issue 10.2: FP-Quant-like layout, a zero-element placeholder inside a partition -------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stock_zero12_asserts_on_a_placeholder_inside_a_partition(ranks, tmp_path, stage):
+    if NEEDED:
+        # The placeholder at offset 8 (after q1.bias) is inside the single partition.
+        with pytest.raises(RankFailure, match="fragment start 8 should be < fragment_end 8"):
+            ranks.run(1, train_and_roundtrip, model="FPQuantLike", stage=stage, safe=False, world_size=1,
+                      ckpt_dir=str(tmp_path))
+    else:
+        check_trained_and_restored(ranks.run(1, train_and_roundtrip, model="FPQuantLike", stage=stage, safe=False,
+                                             world_size=1, ckpt_dir=str(tmp_path)))
+
+
+# --- 5a: the shape of a zero-element parameter under the older torch's unflatten ------------------------------------
+
+
+@contextlib.contextmanager
+def legacy_unflatten() -> Iterator[None]:
+    """Emulate torch <= 2.9's ``unflatten_dense_tensors``: a zero-element tensor comes back as ``zeros({0})``.
+
+    ``torch._utils._unflatten_dense_tensors`` (the name every DeepSpeed wrapper imported, some
+    also caching it as ``self.unflatten``) looks ``torch._C._nn.unflatten_dense_tensors`` up on
+    each call, so patching that one attribute reaches all of them.
+    """
+    original = torch._C._nn.unflatten_dense_tensors
+
+    def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        views = original(flat, tensors)
+        return [flat.new_zeros(0) if t.numel() == 0 else v for t, v in zip(tensors, views)]
+
+    torch._C._nn.unflatten_dense_tensors = unflatten
+    try:
+        yield
+    finally:
+        torch._C._nn.unflatten_dense_tensors = original
+
+
+def test_legacy_unflatten_emulation_takes_effect():
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    tensors = [torch.randn(8, 8), torch.randn(0, 8), torch.randn(4)]
+    flat = _flatten_dense_tensors(tensors)
+    assert [tuple(t.shape) for t in _unflatten_dense_tensors(flat, tensors)] == [(8, 8), (0, 8), (4,)]
+    with legacy_unflatten():
+        legacy = _unflatten_dense_tensors(flat, tensors)
+    assert [tuple(t.shape) for t in legacy] == [(8, 8), (0,), (4,)]
+    assert torch.equal(legacy[2], tensors[2])
+    assert [tuple(t.shape) for t in _unflatten_dense_tensors(flat, tensors)] == [(8, 8), (0, 8), (4,)]
+
+
+def _fused_adam_stand_in() -> type:
+    from deepspeed.ops.adam import FusedAdam
+
+    class FusedAdamStandIn(FusedAdam):
+        """Routes bf16 stage 0 to the fused ``FP16_Optimizer`` (``isinstance(opt, FusedAdam)``) on CPU.
+
+        The real FusedAdam JIT-builds a kernel at construction; the wrapper under test only
+        needs an optimizer over its flat fp32 group, so this one takes a plain SGD step.
+        """
+
+        def __init__(self, params: Any, lr: float = 1e-2) -> None:
+            torch.optim.Optimizer.__init__(self, params, {"lr": lr})
+            self.set_grad_none = True
+
+        @torch.no_grad()
+        def step(self, closure: Any = None, **_: Any) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad.to(p.dtype), alpha=-group["lr"])
+
+    return FusedAdamStandIn
+
+
+ROUTES = {  # route -> (stock wrapper DeepSpeed builds, how to configure it)
+    "bf16_stage0_fused": "FP16_Optimizer",
+    "bf16_optimizer": "BF16_Optimizer",
+    "zero1": "DeepSpeedZeroOptimizer",
+    "zero2": "DeepSpeedZeroOptimizer",
+}
+
+
+def _init_route(route: str, safe: bool, world_size: int) -> Any:
+    import deepspeed
+
+    import safe_zero
+
+    model = build(ZeroSized)
+    kwargs: dict[str, Any] = {"model": model}
+    if route == "bf16_stage0_fused":
+        config = ds_config(0, world_size=world_size)
+        del config["optimizer"]
+        kwargs["optimizer"] = _fused_adam_stand_in()(model.parameters())
+    else:
+        config = ds_config(2 if route == "zero2" else 1, world_size=world_size)
+        kwargs["model_parameters"] = model.parameters()
+        if route == "bf16_optimizer":
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+    engine, *_ = (safe_zero.initialize if safe else deepspeed.initialize)(config=config, **kwargs)
+    return engine
+
+
+def legacy_route(route: str, world_size: int) -> dict:
+    """Under the emulation: stock's shape after initialize, then safe_zero's after init and two steps."""
+    with legacy_unflatten():
+        stock = _init_route(route, safe=False, world_size=world_size)
+        out: dict[str, Any] = {"stock_wrapper": type(stock.optimizer).__name__,
+                               "stock_shape": tuple(stock.module.empty.weight.shape)}
+        del stock
+        safe = _init_route(route, safe=True, world_size=world_size)
+        out["wrapper"] = type(safe.optimizer).__name__
+        out["report"] = dict(safe.safe_zero_session.report)
+        out["shape_init"] = tuple(safe.module.empty.weight.shape)
+        out["losses"] = train(safe, 2)
+        out["shape_after"] = tuple(safe.module.empty.weight.shape)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_zero_element_parameter_keeps_its_shape_under_legacy_unflatten(ranks, route, world_size):
+    results = ranks.run(world_size, legacy_route, route=route, world_size=world_size)
+    for r in results:
+        assert r["stock_wrapper"] == ROUTES[route], "the test must reach the wrapper it is about"
+        # Stock on a release with the defect rebinds the parameter to torch's zeros({0}).
+        assert r["stock_shape"] == ((0,) if NEEDED else (0, 8))
+        assert r["wrapper"] == "Safe" + ROUTES[route]
+        assert r["shape_init"] == r["shape_after"] == (0, 8)
+        assert len(r["losses"]) == 2 and all(torch.isfinite(torch.tensor(r["losses"])))
+        assert ("zero_element_groups" in r["report"]) == NEEDED
+        if not flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
+            assert "flat_buffer_autograd" not in r["report"]
+    assert results[0]["losses"] == results[-1]["losses"]
