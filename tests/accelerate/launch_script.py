@@ -40,7 +40,9 @@ class ZeroSizedAndGradless(nn.Module):
 
 
 def emit(**fields) -> None:
-    print("RESULT " + json.dumps(fields), flush=True)
+    # One write per line: the ranks share the launcher's stdout, and print() writes the newline apart.
+    sys.stdout.write("RESULT " + json.dumps(fields) + "\n")
+    sys.stdout.flush()
 
 
 def train(accelerator, phase: str) -> None:

@@ -51,7 +51,8 @@ def test_stock_fails_and_the_config_file_route_trains(stage):
         assert STOCK_ERRORS[stage] in r["error"], r
     safe = by_phase(records, "safe", 2)
     check_trained(safe, stage)
-    engaged = {2: {"gradless_params", "grouped_mm_alignment"}, 3: {"zero3_zero_element_params"}}[stage]
+    engaged = {2: {"gradless_params", "grouped_mm_alignment"},
+               3: {"gradless_params", "zero3_zero_element_params"}}[stage]
     assert all(engaged <= set(r["engaged"]) for r in safe), safe
     if stage == 2:
         # Alignment decided by safe_zero.initialize from the model, through Accelerate's config_params route.
@@ -61,7 +62,8 @@ def test_stock_fails_and_the_config_file_route_trains(stage):
 
 def test_safe_deepspeed_plugin_example_trains_zero3_without_cpu_setup():
     _, output = accelerate_launch("--config_file", "examples/accelerate/zero3.yaml", str(EXAMPLES / "train.py"))
-    lines = re.findall(r"\[rank (\d)/(\d)\] ZeRO-(\d) losses: ([\d. ]+); safe_zero engaged: (.*)", output)
+    # print() writes the newline apart, so the two ranks' lines may share one line of output.
+    lines = re.findall(r"\[rank (\d)/(\d)\] ZeRO-(\d) losses: ([\d. ]+); safe_zero engaged: ([\w, ]*)", output)
     assert sorted(rank for rank, *_ in lines) == ["0", "1"], output[-4000:]
     for _, world, stage, losses, engaged in lines:
         assert (world, stage) == ("2", "3")

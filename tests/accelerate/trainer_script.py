@@ -78,7 +78,9 @@ class Repeat(torch.utils.data.Dataset):
 
 
 def emit(**fields) -> None:
-    print("RESULT " + json.dumps(fields), flush=True)
+    # One write per line: the ranks share the launcher's stdout, and print() writes the newline apart.
+    sys.stdout.write("RESULT " + json.dumps(fields) + "\n")
+    sys.stdout.flush()
 
 
 def train(phase: str, callbacks: list, use_configured_state: bool = False) -> None:
