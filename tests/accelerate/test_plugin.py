@@ -111,6 +111,11 @@ def test_routing_binds_once_defers_to_install_and_refuses_a_foreign_initialize(m
     monkeypatch.setattr(deepspeed, "initialize", lambda *a, **k: None)
     with pytest.raises(safe_zero.InjectionError, match="has been replaced by"):
         install_on_request()
+    # The import itself only warns: code that uses the plugin or the callback gets the error there.
+    import importlib
+
+    with pytest.warns(RuntimeWarning, match="has been replaced by"):
+        importlib.reload(importlib.import_module("safe_zero.accelerate"))
 
 
 def test_python_m_safe_zero_accelerate_runs_the_script_as_main_with_routing(tmp_path, monkeypatch):
