@@ -136,27 +136,33 @@ def _launched_on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
-def cpu_distributed_state() -> None:
+def cpu_distributed_state() -> bool:
     """Create Accelerate's process state with DeepSpeed's CPU communication backend (gloo), once.
 
     On a host without an accelerator, Accelerate picks no backend for a DeepSpeed run and counts
     one process while DeepSpeed's process group has all of them; DeepSpeed then fails its batch
     size check. Call this before anything creates Accelerate's state (``SafeDeepSpeedPlugin``
-    does it for you). For HF Trainer, call it before ``TrainingArguments`` and pass
-    ``accelerator_config={"use_configured_state": True}``. Does nothing when the state already
-    exists, when no launcher started the process, or when DeepSpeed runs on an accelerator. For a
-    custom process-group timeout, create ``PartialState(backend="gloo", timeout=...)`` yourself.
+    does it for you). Does nothing when the state already exists, when no launcher started the
+    process, or when DeepSpeed runs on an accelerator. For a custom process-group timeout, create
+    ``PartialState(backend="gloo", timeout=...)`` yourself.
+
+    Returns whether Accelerate's process state exists now. HF Trainer builds its own state in
+    ``TrainingArguments`` unless told to use the configured one, so on any host::
+
+        configured = safe_zero.accelerate.cpu_distributed_state()
+        args = TrainingArguments(..., accelerator_config={"use_configured_state": configured})
     """
     from accelerate import PartialState
     from deepspeed.accelerator import get_accelerator
 
     if PartialState._shared_state or not _launched_on_cpu():
-        return
+        return bool(PartialState._shared_state)
 
     # Accelerate takes the DeepSpeed route (deepspeed.comm.init_distributed) only when this is set;
     # an Accelerator given a DeepSpeed plugin sets it too.
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend=get_accelerator().communication_backend_name())
+    return True
 
 
 class WorldSizeMismatchError(SafeZeroError):

@@ -15,8 +15,9 @@ from safe_zero.injection import verify_engine
 log = logging.getLogger("safe_zero")
 
 _TRAINER_CPU_HINT = (
-    "HF Trainer builds that state in TrainingArguments: call safe_zero.accelerate.cpu_distributed_state() before "
-    "creating TrainingArguments and pass TrainingArguments(..., accelerator_config={\"use_configured_state\": True}).")
+    "HF Trainer builds that state in TrainingArguments: before creating them, call `configured = "
+    "safe_zero.accelerate.cpu_distributed_state()` and pass TrainingArguments(..., "
+    "accelerator_config={\"use_configured_state\": configured}).")
 
 
 class SafeZeroCallback(TrainerCallback):

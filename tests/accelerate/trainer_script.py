@@ -128,8 +128,7 @@ def main() -> None:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             train("no-cpu-state", callbacks=[SafeZeroCallback()])
             AcceleratorState._reset_state(reset_partial_state=True)  # start over, as a fresh script would
-        cpu_distributed_state()
-        train("safe", callbacks=[SafeZeroCallback()], use_configured_state=True)
+        train("safe", callbacks=[SafeZeroCallback()], use_configured_state=cpu_distributed_state())
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
