@@ -218,6 +218,12 @@ def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, se
                          everything=options.alignment is True)
     session.alignment = plan
 
+    if active and params and stage == 3 and _tight_all_reduce_fetch(zero) and _world_size() > 1:
+        raise AlignmentError(
+            f"stage3_use_all_reduce_for_fetch_params on DeepSpeed < 0.19.8 gathers a module's parameters back to "
+            f"back, so grouped_mm weight(s) {', '.join(params)} can land off the 16-byte grid (measured 6 bytes on "
+            "0.18.9) and CUDA grouped_mm would fail. Turn stage3_use_all_reduce_for_fetch_params off (the default "
+            "all-gather keeps gathered weights aligned) or use DeepSpeed 0.19.8, where safe_zero aligns that path.")
     if opted_out and params:
         warnings.warn(
             f"{opted_out} leaves {len(params)} grouped_mm weight(s) (e.g. {next(iter(params))}) where the flat "
@@ -231,6 +237,23 @@ def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, se
     adjusted = copy.deepcopy(dict(config))
     adjusted.setdefault("zero_optimization", {})["parameter_alignment"] = True
     return adjusted
+
+
+def _tight_all_reduce_fetch(zero: Mapping[str, Any]) -> bool:
+    """Whether the all-reduce fetch path advances by ``ds_numel`` (0.18.9, measured) rather than by the
+    ``ds_numel_aligned`` safe_zero can round (0.19.8); releases in between are treated as the older."""
+    from packaging.version import Version
+
+    from safe_zero._compat import DEEPSPEED_VERSION
+
+    on = zero.get("stage3_use_all_reduce_for_fetch_params", zero.get("use_all_reduce_for_fetch_params", False))
+    return bool(on) and DEEPSPEED_VERSION < Version("0.19.8")
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def pass_config(bound: inspect.BoundArguments, config: dict[str, Any]) -> None:

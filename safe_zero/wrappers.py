@@ -17,7 +17,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
 from safe_zero.fixes.gradless_params import ZeroFillMissingGradsStage3, ZeroFillMissingGradsStage12
-from safe_zero.fixes.grouped_mm_alignment import AlignFlatGroups, AlignRoundRobinGroups
+from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
+                                                   AlignStage3SubGroups, GuardGatheredAlignment)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
 
 
@@ -38,15 +39,15 @@ class SafeDeepSpeedZeroOptimizer(AlignRoundRobinGroups, ZeroFillMissingGradsStag
     """ZeRO-1/2 optimizer."""
 
 
-class SafeDeepSpeedZeroOptimizer_Stage3(ZeroFillMissingGradsStage3, DeepSpeedZeroOptimizer_Stage3):
+class SafeDeepSpeedZeroOptimizer_Stage3(AlignStage3SubGroups, ZeroFillMissingGradsStage3, DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 optimizer."""
 
 
-class SafeDeepSpeedZeRoOffload(DeepSpeedZeRoOffload):
+class SafeDeepSpeedZeRoOffload(AlignAllReduceFetch, DeepSpeedZeRoOffload):
     """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
 
 
-class SafePartitionedParameterCoordinator(PartitionedParameterCoordinator):
+class SafePartitionedParameterCoordinator(GuardGatheredAlignment, PartitionedParameterCoordinator):
     """ZeRO-3 fetch/release coordinator."""
 
 

@@ -30,7 +30,7 @@ route that DeepSpeed >= 0.19.7 pads itself.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -46,14 +46,23 @@ FIX = Fix(
 )
 
 
-def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str) -> list[int]:
+def _numel(param: torch.Tensor) -> int:
+    return param.numel()
+
+
+def _partition_numel(param: torch.Tensor) -> int:
+    return param.partition_numel()  # ZeRO-3: what the optimizer's flat buffer holds of it
+
+
+def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str,
+                   numel: Callable[[torch.Tensor], int] = _numel) -> list[int]:
     """Positions of ``params`` in an order that puts every detected weight on the grid (raises if impossible)."""
-    whole = [i for i, p in enumerate(params) if p.numel() * p.element_size() % ALIGNMENT_BYTES == 0]
-    rest = [i for i, p in enumerate(params) if p.numel() * p.element_size() % ALIGNMENT_BYTES != 0]
+    size = [numel(p) * p.element_size() for p in params]
+    whole = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES == 0]
+    rest = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES != 0]
     partial = [i for i in rest if plan.needs(params[i])]
     if len(partial) > 1:
-        listed = ", ".join(f"{plan.name(params[i])} ({params[i].numel() * params[i].element_size()} bytes)"
-                           for i in partial)
+        listed = ", ".join(f"{plan.name(params[i])} ({size[i]} bytes)" for i in partial)
         raise AlignmentError(
             f"safe_zero cannot keep these grouped_mm weights 16-byte aligned on the {route} route: {listed}. "
             "Their sizes are not multiples of 16 bytes and this route has no padding between parameters. "
@@ -118,4 +127,75 @@ class AlignRoundRobinGroups(AlignFlatGroups):
         return _reorder(tensors, order), {original: position[at] for original, at in indices.items()}
 
 
-__all__ = ["AlignFlatGroups", "AlignRoundRobinGroups", "FIX"]
+def _wants(plan: AlignmentPlan, session: Any, params: list[torch.Tensor]) -> bool:
+    return plan.active and session.uses(FIX) and (plan.everything or any(plan.needs(p) for p in params))
+
+
+class AlignStage3SubGroups:
+    """Mixin for ``DeepSpeedZeroOptimizer_Stage3``: where a rank holds a whole parameter (world size 1, or a
+    partition group of one), the gathered weight IS its partition, a view into the optimizer's flat lp buffer.
+    Order each parameter group whole-16-byte partitions first before DeepSpeed cuts it into sub-groups.
+
+    The buffer holds the groups back to back, so a weight in a later parameter group is on the grid only if
+    the groups before it are whole 16-byte units; the guard reports it otherwise.
+    """
+
+    def _create_fp16_sub_groups(self, params_group: list[Any]) -> list[list[Any]]:
+        session = session_for(self)
+        plan = plan_for(session)
+        params_group = list(params_group)
+        if _wants(plan, session, params_group):
+            order = _aligned_order(params_group, plan, "DeepSpeedZeroOptimizer_Stage3", numel=_partition_numel)
+            if order != sorted(order):
+                params_group = _reorder(params_group, order)
+                session.engaged(FIX, "DeepSpeedZeroOptimizer_Stage3: flattened whole-16-byte partitions first")
+        return super()._create_fp16_sub_groups(params_group)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class AlignAllReduceFetch:
+    """Mixin for ``DeepSpeedZeRoOffload``: ``stage3_use_all_reduce_for_fetch_params`` gathers a module's
+    parameters into one buffer at offsets that add up ``ds_numel_aligned`` (the size rounded to the world
+    size), so a weight after a 3-element parameter lands 8 bytes off the grid. Rounding every
+    ``ds_numel_aligned`` up to whole 16-byte units puts each one on the grid; the value is read by that
+    path alone, and the extra zeros (< 16 bytes per parameter) live only in the transient gather buffer.
+    """
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        session = session_for(self)
+        plan = plan_for(session)
+        params = [p for p in module.parameters() if hasattr(p, "ds_numel_aligned")]
+        if _wants(plan, session, params):
+            bumped = 0
+            for param in params:
+                grid = max(1, ALIGNMENT_BYTES // param.element_size())
+                aligned = _round_up(param.ds_numel_aligned, grid)
+                bumped += aligned != param.ds_numel_aligned
+                param.ds_numel_aligned = aligned
+            if bumped:
+                session.engaged(FIX, f"DeepSpeedZeRoOffload: {bumped} all-reduce fetch slot(s) rounded to 16 bytes")
+
+
+class GuardGatheredAlignment:
+    """Mixin for ``PartitionedParameterCoordinator``: once a module's parameters are gathered, check the
+    detected weights among them (the ZeRO-3 half of the ``alignment_guard``)."""
+
+    def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
+        super().fetch_sub_module(current_submodule, forward)
+        plan = plan_for(session_for(self))
+        if plan.guard:
+            for param in current_submodule.parameters(recurse=False):
+                if plan.needs(param) and param.numel() and param.data_ptr() % ALIGNMENT_BYTES:
+                    raise AlignmentError(
+                        f"safe_zero alignment guard: grouped_mm weight {plan.name(param)} was gathered "
+                        f"{param.data_ptr() % ALIGNMENT_BYTES} bytes off the 16-byte grid by ZeRO-3. CUDA grouped_mm "
+                        "would fail with 'expected data_ptr to be aligned to 16 bytes'. Put the grouped_mm weights "
+                        "in the first optimizer parameter group, or use ZeRO-1/2.")
+
+
+__all__ = ["AlignAllReduceFetch", "AlignFlatGroups", "AlignRoundRobinGroups", "AlignStage3SubGroups", "FIX",
+           "GuardGatheredAlignment"]

@@ -255,3 +255,93 @@ def test_impossible_layout_is_refused_at_initialize_with_a_working_configuration
                                           r"aligned on the BF16_Optimizer route: a \(6 bytes\), b \(10 bytes\).*"
                                           r"parameter_alignment"):
         ranks.run(1, _impossible_body)
+
+
+# --- ZeRO-3: a gathered weight is a fresh buffer (aligned) except where it is a view: the rank's own partition in
+# the optimizer's flat buffer when a rank holds whole parameters (world size 1, with or without offload_param), and
+# the shared all-reduce buffer of stage3_use_all_reduce_for_fetch_params. Other paths measured aligned (report).
+
+ZERO3_PATHS = {
+    "persistent": {},  # tiny parameters stay gathered (stage3_param_persistence_threshold default)
+    "coalesced": {"stage3_param_persistence_threshold": 0},
+    "offload": {"stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu"}},
+    "all_reduce": {"stage3_param_persistence_threshold": 0, "stage3_use_all_reduce_for_fetch_params": True},
+}
+ZERO3_CASES = [(1, "persistent", True), (1, "offload", True), (2, "all_reduce", True), (2, "coalesced", False)]
+
+
+def _zero3_engine(path: str, safe: bool):
+    import deepspeed
+
+    import safe_zero
+
+    model = build(OddExperts)
+    seen: list[int] = []
+    init = safe_zero.initialize if safe else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config(3, **ZERO3_PATHS[path]))
+    # Registered after DeepSpeed's own pre-forward hook, so it sees the gathered weight grouped_mm will get.
+    engine.module.register_forward_pre_hook(lambda module, args: seen.append(module.experts.data_ptr() % 16))
+    return engine, seen
+
+
+def _zero3_state(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return _state(engine)
+
+
+def _zero3_body(path: str, ckpt: str) -> dict:
+    stock, stock_seen = _zero3_engine(path, safe=False)
+    out = {}
+    out["stock_losses"], _ = _steps(stock, 3)
+    out["stock_seen"] = stock_seen
+    del stock
+
+    safe, seen = _zero3_engine(path, safe=True)
+    out["safe_losses"], _ = _steps(safe, 3)
+    out["safe_seen"] = list(seen)
+    out["report"] = safe.safe_zero_session.report
+    safe.save_checkpoint(ckpt, tag="t")
+    saved = _zero3_state(safe)
+    out["continued"], _ = _steps(safe, 1)
+
+    resumed, resumed_seen = _zero3_engine(path, safe=True)
+    resumed.load_checkpoint(ckpt, tag="t")
+    out["loaded_equal"] = all(torch.equal(saved[n], p) for n, p in _zero3_state(resumed).items())
+    out["resumed"], _ = _steps(resumed, 1)
+    out["resumed_seen"] = resumed_seen
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="t")
+    out["fp32_equal"] = set(fp32) == set(saved) and all(
+        torch.equal(fp32[n].to(saved[n].dtype), saved[n]) for n in saved)
+    return out
+
+
+def _tight_all_reduce_fetch() -> bool:
+    from safe_zero.alignment import _tight_all_reduce_fetch
+
+    return _tight_all_reduce_fetch({"stage3_use_all_reduce_for_fetch_params": True})
+
+
+@pytest.mark.parametrize("world_size, path, stock_misaligned", ZERO3_CASES)
+def test_zero3_gathered_grouped_mm_weights_are_aligned(ranks, tmp_path, world_size, path, stock_misaligned):
+    if path == "all_reduce" and _tight_all_reduce_fetch():  # < 0.19.8: refused at initialize, see below
+        with pytest.raises(RankFailure, match=r"AlignmentError: stage3_use_all_reduce_for_fetch_params on DeepSpeed "
+                                              r"< 0\.19\.8 .*experts.*Turn stage3_use_all_reduce_for_fetch_params off"):
+            ranks.run(world_size, _zero3_body, path=path, ckpt=str(tmp_path / "ckpt"))
+        return
+    results = ranks.run(world_size, _zero3_body, path=path, ckpt=str(tmp_path / "ckpt"))
+    for r in results:
+        assert len(r["stock_seen"]) == 3 and len(r["safe_seen"]) == 3
+        if stock_misaligned:  # red on stock: the weight grouped_mm would get is off the grid
+            assert set(r["stock_seen"]) != {0}, r["stock_seen"]
+            assert "grouped_mm_alignment" in r["report"]
+        else:
+            assert set(r["stock_seen"]) == {0}
+        assert set(r["safe_seen"]) == {0} and set(r["resumed_seen"]) == {0}, (r["safe_seen"], r["resumed_seen"])
+        assert r["safe_losses"] == r["stock_losses"] and r["safe_losses"][-1] < r["safe_losses"][0]
+        assert r["loaded_equal"] and r["resumed"] == r["continued"]
+        assert r["fp32_equal"], "zero_to_fp32 must rebuild the model's state"
