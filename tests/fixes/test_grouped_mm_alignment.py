@@ -17,6 +17,7 @@ from tests.rig import RankFailure
 ROUTES = {
     "zero1": ("DeepSpeedZeroOptimizer", dict(stage=1)),
     "zero2": ("DeepSpeedZeroOptimizer", dict(stage=2)),
+    "zero2_round_robin": ("DeepSpeedZeroOptimizer", dict(stage=2, zero={"round_robin_gradients": True})),
     "bf16_optimizer": ("BF16_Optimizer", dict(stage=1, data_types={"grad_accum_dtype": "fp32"})),
     "fused_stage0": ("FP16_Optimizer", dict(stage=0, client_optimizer=True)),
 }
@@ -46,7 +47,7 @@ def _config(route: str, **safe_zero_block) -> dict:
     spec = dict(spec)
     client = spec.pop("client_optimizer", False)
     stage = spec.pop("stage")
-    config = ds_config(stage)
+    config = ds_config(stage, **spec.pop("zero", {}))
     config.update(spec)
     if client:
         del config["optimizer"]
@@ -157,8 +158,9 @@ def _route_body(model_name: str, route: str, ckpt: str) -> dict:
 
 
 # The hand-made layout on every route at both world sizes; GPT-OSS (slower) on every route at 1 and on ZeRO-2 at 2.
-CASES = [("odd", route, ws) for route in ROUTES for ws in (1, 2)] + \
-        [("gpt_oss", route, 1) for route in ROUTES] + [("gpt_oss", "zero2", 2)]
+CASES = [("odd", route, ws) for route in ROUTES for ws in (1, 2) if route != "zero2_round_robin"] + \
+        [("odd", "zero2_round_robin", 2)] + \
+        [("gpt_oss", route, 1) for route in ROUTES if route != "zero2_round_robin"] + [("gpt_oss", "zero2", 2)]
 
 
 @pytest.mark.parametrize("model_name, route, world_size", CASES)
@@ -345,3 +347,20 @@ def test_zero3_gathered_grouped_mm_weights_are_aligned(ranks, tmp_path, world_si
         assert r["safe_losses"] == r["stock_losses"] and r["safe_losses"][-1] < r["safe_losses"][0]
         assert r["loaded_equal"] and r["resumed"] == r["continued"]
         assert r["fp32_equal"], "zero_to_fp32 must rebuild the model's state"
+
+
+def _zero3_guard_body() -> str:
+    import safe_zero
+
+    model = build(OddExperts)
+    config = ds_config(3, stage3_param_persistence_threshold=0)
+    config["safe_zero"] = {"fixes": {"grouped_mm_alignment": False}}  # alignment wanted, the fix off
+    engine, *_ = safe_zero.initialize(model=model, model_parameters=model.parameters(), config=config)
+    _steps(engine, 1)
+    return "trained"
+
+
+def test_zero3_guard_refuses_a_misaligned_gathered_weight_naming_it(ranks):
+    with pytest.raises(RankFailure, match=r"AlignmentError: safe_zero alignment guard: grouped_mm weight experts was "
+                                          r"gathered 6 bytes off the 16-byte grid by ZeRO-3"):
+        ranks.run(1, _zero3_guard_body)
