@@ -1,0 +1,77 @@
+"""Fine-tune a tiny FP-Quant Llama with the HF ``Trainer`` and ``SafeZeroCallback``. From the repository root:
+
+    python examples/fp_quant/train_hf_trainer.py                       # ZeRO-3, 1 process
+    accelerate launch --config_file examples/accelerate/zero3.yaml examples/fp_quant/train_hf_trainer.py
+
+DeepSpeed is configured as usual, with ``TrainingArguments(deepspeed="examples/accelerate/zero3.json")``
+(``--ds-config`` picks another); the only safe_zero line is the callback. The Trainer refuses
+``bf16=True`` on a CPU, so there the run is fp32 (``"bf16": "auto"`` in the JSON follows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model.py, cpu_support.py
+
+import torch  # noqa: E402
+
+from model import allow_trainer_fine_tuning, build_checkpoint, dataset, describe, load_model, summarize  # noqa: E402
+from safe_zero.accelerate import SafeZeroCallback, cpu_distributed_state  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="fp_quant_tiny", help="where the tiny FP-Quant checkpoint is built")
+    parser.add_argument("--ds-config", default="examples/accelerate/zero3.json")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    args = parser.parse_args()
+
+    # Several processes on a CPU-only host: Accelerate's state must use gloo (a no-op on GPUs and for one process
+    # started without a launcher).
+    configured = cpu_distributed_state()
+    if "LOCAL_RANK" not in os.environ:
+        # `python train_hf_trainer.py` without a launcher: DeepSpeed still needs a (one-process) rendezvous.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+    from transformers import Trainer, TrainingArguments
+
+    training_args = TrainingArguments(
+        output_dir=os.path.join(args.workdir, "hf_trainer"), deepspeed=args.ds_config, bf16=torch.cuda.is_available(),
+        per_device_train_batch_size=2, max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0,
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+        accelerator_config={"use_configured_state": configured})
+    with training_args.main_process_first():  # the main process builds the checkpoint, the others then load it
+        model = load_model(build_checkpoint(args.workdir))
+    allow_trainer_fine_tuning(model)  # see model.py: Trainer refuses FP-Quant without master weights otherwise
+    rank = training_args.process_index
+    if rank == 0:
+        print(f"FP-Quant model: {describe(model)}", flush=True)
+    world = training_args.world_size
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset(args.steps * world),
+                      callbacks=[SafeZeroCallback()])
+    trainer.train()
+
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    engine = trainer.model_wrapped
+    report = engine.safe_zero_session.report
+    print(f"[hf_trainer rank {rank}/{world}] ZeRO-{engine.zero_optimization_stage()} losses: "
+          f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {', '.join(sorted(report)) or 'none'}",
+          flush=True)
+    if rank == 0:
+        print(summarize(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
