@@ -10,9 +10,9 @@ off the 16-byte grid. This module finds the weights that need the grid and decid
 * ZeRO-1/2 (``DeepSpeedZeroOptimizer``) on DeepSpeed >= 0.19.7: DeepSpeed's own
   ``zero_optimization.parameter_alignment`` is switched on in the config.
 * The routes DeepSpeed does not pad (ZeRO-1 + bf16 + fp32 gradient accumulation, i.e.
-  ``BF16_Optimizer``; the fused stage-0 ``FP16_Optimizer``; ZeRO-1/2 on DeepSpeed < 0.19.7):
-  ``safe_zero.fixes.grouped_mm_alignment`` lays the flat buffers out so that the weights land on
-  the grid (see that module).
+  ``BF16_Optimizer``; the fused stage-0 ``FP16_Optimizer``; ZeRO-1/2 on DeepSpeed < 0.19.7) and
+  ZeRO-3: ``safe_zero.fixes.grouped_mm_alignment`` lays the flat buffers out so that the weights
+  land on the grid (see that module for what was measured on each ZeRO-3 gather path).
 
 The decision depends only on the model and the config, so a resumed run lays its buffers out
 exactly like the run that saved the checkpoint.
@@ -173,9 +173,9 @@ class AlignmentPlan:
 
 
 WORKING_CONFIGS = (
-    "Configurations that keep them aligned: ZeRO-1/2 with bf16/fp16 and no fp32 gradient accumulation "
-    "(DeepSpeed >= 0.19.7 pads with zero_optimization.parameter_alignment, which safe_zero turns on), "
-    "ZeRO-1 + bf16 + data_types.grad_accum_dtype fp32, or stage 0, without round_robin_gradients.")
+    'Leave safe_zero\'s grouped_mm_alignment fix on ("safe_zero": {"fixes": {"grouped_mm_alignment": "auto"}}), '
+    "which keeps them aligned on ZeRO-1/2, ZeRO-1 + bf16 + fp32 gradient accumulation and fused stage 0; on "
+    "DeepSpeed >= 0.19.7 ZeRO-1/2 also pads them itself with zero_optimization.parameter_alignment.")
 
 NO_PLAN = AlignmentPlan()
 
@@ -270,23 +270,6 @@ def pass_config(bound: inspect.BoundArguments, config: dict[str, Any]) -> None:
         arguments["config_params"] = config
     else:
         arguments["config"] = config
-
-
-def aligned_first(params: Iterable[torch.Tensor], element_size: int | None = None) -> list[int]:
-    """Positions of ``params`` in a flattening order that puts every whole-16-byte parameter first (stable).
-
-    In a flat buffer that starts on the grid, each parameter of that prefix then starts on the
-    grid too: the layout needs no padding at all.
-    """
-    params = list(params)
-    sizes = [_numel(p) * (element_size or p.element_size()) for p in params]
-    whole = [i for i, s in enumerate(sizes) if s % ALIGNMENT_BYTES == 0]
-    rest = [i for i, s in enumerate(sizes) if s % ALIGNMENT_BYTES != 0]
-    return whole + rest
-
-
-def _numel(param: torch.Tensor) -> int:
-    return getattr(param, "ds_numel", None) or param.numel()
 
 
 def padding_bytes(numels: Iterable[int], element_size: int) -> int:

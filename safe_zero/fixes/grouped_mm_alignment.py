@@ -25,7 +25,16 @@ configurations that work.
 
 The guard mixin (``"alignment_guard"``, on by default) checks the detected weights after
 initialize and after every optimizer step on every flattening wrapper, including the ZeRO-1/2
-route that DeepSpeed >= 0.19.7 pads itself.
+route that DeepSpeed >= 0.19.7 pads itself, and on ZeRO-3 after every gather.
+
+ZeRO-3, measured on CPU (bf16, a 3-element parameter ahead of the expert weight, forward and
+backward alike): at world size 1 every gather path (persistent, coalesced, single, all-reduce,
+offload_param) hands grouped_mm the rank's own partition, a view into the optimizer's flat buffer,
+14 bytes off the grid; at world size 2 the all-gather paths (persistent, coalesced, single,
+offload_param) build fresh buffers and are aligned, while ``stage3_use_all_reduce_for_fetch_params``
+is 8 bytes off (0.19.8) or 6 (0.18.9). ``AlignStage3SubGroups`` and ``AlignAllReduceFetch`` fix the
+first two; the all-reduce fetch of DeepSpeed < 0.19.8 packs parameters without any slack and is
+refused at initialize instead.
 """
 
 from __future__ import annotations
@@ -139,6 +148,24 @@ class AlignStage3SubGroups:
     The buffer holds the groups back to back, so a weight in a later parameter group is on the grid only if
     the groups before it are whole 16-byte units; the guard reports it otherwise.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        session = session_for(self)
+        plan = plan_for(session)
+        if plan.guard:  # the partition a rank holds whole is what grouped_mm will get: check it now
+            for sub_group in self.fp16_groups:
+                for param in sub_group:
+                    held = param.ds_tensor
+                    if (plan.needs(param) and held.numel() >= param.ds_numel
+                            and held.data_ptr() % ALIGNMENT_BYTES):
+                        why = ("the optimizer parameter groups before it end off the grid in DeepSpeed's flat "
+                               "buffer. Put the grouped_mm weights in the first parameter group, or use ZeRO-1/2."
+                               if session.uses(FIX) else
+                               'the grouped_mm_alignment fix is off; set it to "auto" to align it.')
+                        raise AlignmentError(
+                            f"safe_zero cannot keep grouped_mm weight {plan.name(param)} 16-byte aligned on ZeRO-3 "
+                            f"(data_ptr % 16 = {held.data_ptr() % ALIGNMENT_BYTES}): {why}")
 
     def _create_fp16_sub_groups(self, params_group: list[Any]) -> list[list[Any]]:
         session = session_for(self)
