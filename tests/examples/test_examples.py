@@ -3,7 +3,8 @@
 Each example is run as a user runs it (a subprocess from the repository root): the loss must fall,
 the run must print which safe_zero fixes engaged (the FP-Quant model needs the zero-sized
 placeholder fix and the gradient-less ``dqweight`` fix), and the MoE run must print its grouped_mm
-expert weights at 16-byte aligned addresses at ZeRO-2 and ZeRO-3.
+expert weights at 16-byte aligned addresses at ZeRO-2 and ZeRO-3, where the same run with
+safe_zero's alignment turned off puts them at 12, 12, 8, 8.
 """
 
 from __future__ import annotations
@@ -92,14 +93,23 @@ def test_fp_quant_hf_trainer(fp_quant_workdir: str) -> None:
 def test_moe_grouped_mm_zero2_and_zero3() -> None:
     for module in ("transformers", "lightning"):
         pytest.importorskip(module)
-    output = run("examples/moe_grouped_mm/train.py", "--steps", str(STEPS))
+    output = run("examples/moe_grouped_mm/train.py", "--steps", str(STEPS), "--compare")
+    weights = [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")]
     for stage in (2, 3):
-        found = re.findall(rf"\[moe\] ZeRO-{stage} losses: ([-\d. ]+); safe_zero engaged: (.*)", output)
-        assert len(found) == 1, output[-4000:]
-        losses, engaged = found[0]
-        check_falls([float(v) for v in losses.split()])
-        assert "grouped_mm_alignment" in engaged.split(", "), engaged
-        offsets = dict(re.findall(rf"\[moe\] ZeRO-{stage} (\S+) data_ptr\(\) % 16 = (\d+)", output))
-        # 2 layers x (gate_up_proj, down_proj), each seen by its experts' forward in the last step.
-        assert sorted(offsets) == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")]
-        assert set(offsets.values()) == {"0"}, f"ZeRO-{stage}: every expert weight 16-byte aligned: {offsets}"
+        safe = {}
+        for tag in (r"\[moe\]", r"\[moe, alignment off\]"):
+            found = re.findall(rf"{tag} ZeRO-{stage} losses: ([-\d. ]+); safe_zero engaged: (.*)", output)
+            assert len(found) == 1, output[-4000:]
+            losses, engaged = found[0]
+            check_falls([float(v) for v in losses.split()])
+            offsets = {name: int(v) for name, v in re.findall(rf"{tag} ZeRO-{stage} (\S+) data_ptr\(\) % 16 = (\d+)",
+                                                               output)}
+            # 2 layers x (gate_up_proj, down_proj), each seen by its experts' forward in the last step.
+            assert sorted(offsets) == weights, offsets
+            safe[tag] = (engaged.split(", "), offsets)
+        engaged, aligned = safe[r"\[moe\]"]
+        assert "grouped_mm_alignment" in engaged, engaged
+        assert set(aligned.values()) == {0}, f"ZeRO-{stage}: every expert weight 16-byte aligned: {aligned}"
+        # The model is one where alignment matters: without it, the sinks and router biases shift the experts.
+        _, unaligned = safe[r"\[moe, alignment off\]"]
+        assert unaligned == {weights[0]: 12, weights[1]: 12, weights[2]: 8, weights[3]: 8}, unaligned
