@@ -190,3 +190,17 @@ def test_padding_bytes_counts_deepspeeds_inter_parameter_padding():
     assert alignment.padding_bytes([3, 64, 5], element_size=2) == 10
     assert alignment.padding_bytes([16, 32], element_size=2) == 0
     assert alignment.padding_bytes([1, 1], element_size=4) == 12
+
+
+def test_the_flat_order_puts_whole_16_byte_parameters_first_reading_parked_cpu_data():
+    from safe_zero.fixes.grouped_mm_alignment import _aligned_order
+
+    odd = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    weight = nn.Parameter(torch.zeros(4, 8, 8, dtype=torch.bfloat16))
+    bias = nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+    plan = alignment.AlignmentPlan(params={"weight": weight})
+    assert _aligned_order([odd, weight, bias], plan, "test") == [1, 0, 2]
+    # ZeRO-1/2's CPU flattening leaves a 1-element fp32 placeholder and the data in cpu_data.
+    for p in (odd, weight, bias):
+        p.cpu_data, p.data = p.data, torch.empty(1)
+    assert _aligned_order([odd, weight, bias], plan, "test") == [1, 0, 2]

@@ -55,18 +55,20 @@ FIX = Fix(
 )
 
 
-def _numel(param: torch.Tensor) -> int:
-    return param.numel()
+def _nbytes(param: torch.Tensor) -> int:
+    # ZeRO-1/2 flattening on CPU parks the data in cpu_data and leaves a 1-element placeholder.
+    data = getattr(param, "cpu_data", param)
+    return data.numel() * data.element_size()
 
 
-def _partition_numel(param: torch.Tensor) -> int:
-    return param.partition_numel()  # ZeRO-3: what the optimizer's flat buffer holds of it
+def _partition_nbytes(param: torch.Tensor) -> int:
+    return param.partition_numel() * param.element_size()  # ZeRO-3: what the optimizer's flat buffer holds
 
 
 def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str,
-                   numel: Callable[[torch.Tensor], int] = _numel) -> list[int]:
+                   nbytes: Callable[[torch.Tensor], int] = _nbytes) -> list[int]:
     """Positions of ``params`` in an order that puts every detected weight on the grid (raises if impossible)."""
-    size = [numel(p) * p.element_size() for p in params]
+    size = [nbytes(p) for p in params]
     whole = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES == 0]
     rest = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES != 0]
     partial = [i for i in rest if plan.needs(params[i])]
@@ -84,6 +86,10 @@ def _reorder(group: list[Any], order: list[int]) -> list[Any]:
     return [group[i] for i in order]
 
 
+def _wants(plan: AlignmentPlan, session: Any, params: list[torch.Tensor]) -> bool:
+    return plan.active and session.uses(FIX) and (plan.everything or any(plan.needs(p) for p in params))
+
+
 class AlignFlatGroups:
     """Mixin for the flattening wrappers: orders the groups before DeepSpeed flattens them, then checks.
 
@@ -98,11 +104,11 @@ class AlignFlatGroups:
         if plan.active and kwargs.get("parameter_alignment", False):
             session.engaged(FIX, f"{route}: DeepSpeed pads parameter boundaries (zero_optimization.parameter_alignment) "
                                  f"for {len(plan.params)} grouped_mm weight(s)")
-        elif plan.active and session.uses(FIX) and init_optimizer is not None:
+        elif plan.active and init_optimizer is not None:
             moved = 0
             for group in init_optimizer.param_groups:
                 params = list(group["params"])
-                if not (plan.everything or any(plan.needs(p) for p in params)):
+                if not _wants(plan, session, params):
                     continue
                 order = _aligned_order(params, plan, route)
                 if order != sorted(order):
@@ -127,17 +133,11 @@ class AlignRoundRobinGroups(AlignFlatGroups):
         tensors, indices = super()._round_robin_reorder(tensor_list, num_partitions)
         session = session_for(self)
         plan = plan_for(session)
-        if not (plan.active and session.uses(FIX) and not getattr(self, "parameter_alignment", False)):
-            return tensors, indices
-        if not (plan.everything or any(plan.needs(p) for p in tensors)):
+        if getattr(self, "parameter_alignment", False) or not _wants(plan, session, tensors):
             return tensors, indices
         order = _aligned_order(tensors, plan, "DeepSpeedZeroOptimizer (round_robin_gradients)")
         position = {old: new for new, old in enumerate(order)}
         return _reorder(tensors, order), {original: position[at] for original, at in indices.items()}
-
-
-def _wants(plan: AlignmentPlan, session: Any, params: list[torch.Tensor]) -> bool:
-    return plan.active and session.uses(FIX) and (plan.everything or any(plan.needs(p) for p in params))
 
 
 class AlignStage3SubGroups:
@@ -172,7 +172,7 @@ class AlignStage3SubGroups:
         plan = plan_for(session)
         params_group = list(params_group)
         if _wants(plan, session, params_group):
-            order = _aligned_order(params_group, plan, "DeepSpeedZeroOptimizer_Stage3", numel=_partition_numel)
+            order = _aligned_order(params_group, plan, "DeepSpeedZeroOptimizer_Stage3", nbytes=_partition_nbytes)
             if order != sorted(order):
                 params_group = _reorder(params_group, order)
                 session.engaged(FIX, "DeepSpeedZeroOptimizer_Stage3: flattened whole-16-byte partitions first")
