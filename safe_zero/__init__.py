@@ -5,6 +5,8 @@ Public API:
     install()/uninstall()  route every ``deepspeed.initialize`` in the process through safe_zero.
     SafeZeroOptions        the ``"safe_zero"`` block of a DeepSpeed config.
     FIXES                  the defects safe_zero corrects, by name.
+    Init(...)              drop-in for ``deepspeed.zero.Init`` with the ZeRO-3 zero-element fixes.
+    get_fp32_state_dict_from_zero_checkpoint(...)  DeepSpeed's zero_to_fp32 API, zero-element params included.
     mark_grouped_mm(...)   declare a custom layer/parameter that feeds grouped_mm (kept 16-byte aligned).
     grouped_mm_parameters  the parameters of a model that need 16-byte alignment.
 """
@@ -31,6 +33,8 @@ from safe_zero.injection import (
 )
 from safe_zero.options import SafeZeroConfigError, SafeZeroOptions
 from safe_zero.session import Session
+from safe_zero.fixes.zero3_zero_element import get_fp32_state_dict_from_zero_checkpoint
+from safe_zero.zero_init import Init, zero_init
 
 __version__ = "0.1.0"
 
@@ -46,6 +50,7 @@ __all__ = [
     "AlignmentError",
     "AlignmentWarning",
     "FIXES",
+    "Init",
     "SUPPORTED_DEEPSPEED",
     "DeepSpeedDriftError",
     "Fix",
@@ -65,4 +70,6 @@ __all__ = [
     "mark_grouped_mm",
     "uninstall",
     "verify_bindings",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "zero_init",
 ]

@@ -70,6 +70,9 @@ BINDINGS: tuple[Binding, ...] = (
             wrappers.SafePartitionedParameterCoordinator),
     # The pipeline engine tests `type(optimizer) == BF16_Optimizer`; an exact-type check needs the swap too.
     Binding("deepspeed.runtime.pipe.engine", "BF16_Optimizer", wrappers.SafeBF16_Optimizer),
+    # ZeRO-3 weight quantizer, built in zero.Init's constructor and in quantize_nontrainable_params.
+    Binding("deepspeed.runtime.zero.partition_parameters", "CUDAQuantizer", wrappers.SafeCUDAQuantizer),
+    Binding("deepspeed.runtime.zero.stage3", "CUDAQuantizer", wrappers.SafeCUDAQuantizer),
 )
 
 
@@ -220,17 +223,25 @@ def _installed_initialize(*args: Any, **kwargs: Any) -> tuple:
 
 
 def install() -> None:
-    """Route every ``deepspeed.initialize`` in this process through :func:`initialize`. Idempotent."""
+    """Route every ``deepspeed.initialize`` in this process through :func:`initialize`, and
+    ``deepspeed.zero.Init`` to :class:`safe_zero.Init`. Idempotent."""
+    from safe_zero.zero_init import Init
+
     with _LOCK:
         if deepspeed.initialize is not _installed_initialize:
             deepspeed.initialize = _installed_initialize
+        deepspeed.zero.Init = Init
 
 
 def uninstall() -> None:
-    """Restore the stock ``deepspeed.initialize`` exactly. Idempotent."""
+    """Restore the stock ``deepspeed.initialize`` and ``deepspeed.zero.Init`` exactly. Idempotent."""
+    from safe_zero.zero_init import STOCK_INIT, Init
+
     with _LOCK:
         if deepspeed.initialize is _installed_initialize:
             deepspeed.initialize = _STOCK_INITIALIZE
+        if deepspeed.zero.Init is Init:
+            deepspeed.zero.Init = STOCK_INIT
 
 
 def is_installed() -> bool:

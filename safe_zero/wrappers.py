@@ -19,6 +19,8 @@ from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
 from safe_zero.fixes.gradless_params import ZeroFillMissingGradsStage3, ZeroFillMissingGradsStage12
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
                                                    AlignStage3SubGroups, GuardGatheredAlignment)
+from safe_zero.fixes.zero3_zero_element import (AdoptZeroElementParams, MaterializeZeroElementOnFetch,
+                                                 SafeCUDAQuantizer)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
 
 
@@ -43,11 +45,12 @@ class SafeDeepSpeedZeroOptimizer_Stage3(AlignStage3SubGroups, ZeroFillMissingGra
     """ZeRO-3 optimizer."""
 
 
-class SafeDeepSpeedZeRoOffload(AlignAllReduceFetch, DeepSpeedZeRoOffload):
+class SafeDeepSpeedZeRoOffload(AlignAllReduceFetch, AdoptZeroElementParams, DeepSpeedZeRoOffload):
     """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
 
 
-class SafePartitionedParameterCoordinator(GuardGatheredAlignment, PartitionedParameterCoordinator):
+class SafePartitionedParameterCoordinator(GuardGatheredAlignment, MaterializeZeroElementOnFetch,
+                                          PartitionedParameterCoordinator):
     """ZeRO-3 fetch/release coordinator."""
 
 

@@ -1,0 +1,69 @@
+"""``safe_zero.Init``: ``deepspeed.zero.Init`` with safe_zero's ZeRO-3 fixes for the parameters it partitions.
+
+Under ``deepspeed.zero.Init`` parameters are partitioned as each submodule is built, before
+``safe_zero.initialize`` ever sees the model, and the construction itself may gather them
+(``GatheredParameters`` in weight initialization or checkpoint loading). ``safe_zero.Init``
+takes the same arguments and does the same, and in addition
+
+- keeps zero-element parameters out of every gather it issues (see
+  :mod:`safe_zero.fixes.zero3_zero_element`), and
+- builds its weight quantizer (``zero_quantized_weights`` /
+  ``zero_quantized_nontrainable_weights``) with the empty-partition guard.
+
+The fixes it applies follow the ``"safe_zero"`` block of the config passed as
+``config_dict_or_path`` (or ``config``), like :func:`safe_zero.initialize`. ``safe_zero.install()``
+makes ``deepspeed.zero.Init`` this class (``uninstall()`` restores DeepSpeed's).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from deepspeed.runtime.zero import partition_parameters
+
+from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt
+from safe_zero.options import SafeZeroOptions
+from safe_zero.session import Session, current_session, session_for, set_current_session
+
+STOCK_INIT = partition_parameters.Init
+_STOCK_SIGNATURE = inspect.signature(STOCK_INIT.__init__)
+
+
+class Init(STOCK_INIT):
+    """Drop-in for ``deepspeed.zero.Init`` (same arguments, also usable as a context manager).
+
+    Options come from the ``"safe_zero"`` block of ``config_dict_or_path``/``config``; without a
+    config every fix is ``"auto"``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from safe_zero.injection import _LOCK, resolve_config
+
+        arguments = _STOCK_SIGNATURE.bind(self, *args, **kwargs).arguments
+        config = arguments.get("config_dict_or_path") or arguments.get("config")
+        session = Session(options=SafeZeroOptions.from_config(resolve_config({"config": config})))
+        object.__setattr__(self, "_safe_zero_session", session)
+        # The quantizer is built in the stock constructor, from the module global; bind the guarded
+        # one (and this session, which it captures) just for that call.
+        with _LOCK:
+            previous_session, stock_quantizer = current_session(), partition_parameters.CUDAQuantizer
+            set_current_session(session)
+            partition_parameters.CUDAQuantizer = SafeCUDAQuantizer
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                partition_parameters.CUDAQuantizer = stock_quantizer
+                set_current_session(previous_session)
+
+    def _convert_to_deepspeed_param(self, param: torch.nn.Parameter) -> None:
+        super()._convert_to_deepspeed_param(param)
+        session = session_for(self)
+        # Whether the model has zero-element parameters is not known yet, module by module: adopt all.
+        if session.uses(FIX):
+            adopt([param], session)
+
+
+zero_init = Init
+"""Alias of :class:`Init` for code that prefers a function-style name."""
