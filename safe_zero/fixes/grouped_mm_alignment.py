@@ -211,6 +211,10 @@ class GuardGatheredAlignment:
     """Mixin for ``PartitionedParameterCoordinator``: once a module's parameters are gathered, check the
     detected weights among them (the ZeRO-3 half of the ``alignment_guard``)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        session_for(self)  # fetches run after initialize returned: bind the caller's session now
+        super().__init__(*args, **kwargs)
+
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         super().fetch_sub_module(current_submodule, forward)
         plan = plan_for(session_for(self))
