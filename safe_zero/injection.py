@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -186,8 +187,9 @@ def _log_report(session: Session) -> None:
 
     on = [name for name, fix in FIXES.items() if session.uses(fix)]
     acted = ", ".join(f"{name} ({'; '.join(what)})" for name, what in session.report.items()) or "none yet"
+    # WARNING, not INFO: DeepSpeed and HF Trainer raise DeepSpeed's log level, and a forgotten opt-in must show.
     log_dist(f"safe_zero: fixes on for DeepSpeed {deepspeed.__version__}: {', '.join(on) or 'none'}; "
-             f"engaged at initialize: {acted}", ranks=[0])
+             f"engaged at initialize: {acted}", ranks=[0], level=logging.WARNING)
 
 
 def initialize(*args: Any, **kwargs: Any) -> tuple:

@@ -22,34 +22,36 @@ from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlat
 from safe_zero.fixes.zero3_zero_element import (AdoptZeroElementParams, MaterializeZeroElementOnFetch,
                                                  SafeCUDAQuantizer)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
+from safe_zero.session import CapturesSession
 
 
-class SafeFP16_Optimizer(AlignFlatGroups, ExcludeZeroElementParams, FP16_Optimizer):
+class SafeFP16_Optimizer(CapturesSession, AlignFlatGroups, ExcludeZeroElementParams, FP16_Optimizer):
     """Fused fp16/bf16 stage-0 wrapper."""
 
 
-class SafeFP16_UnfusedOptimizer(FP16_UnfusedOptimizer):
+class SafeFP16_UnfusedOptimizer(CapturesSession, FP16_UnfusedOptimizer):
     """Unfused fp16/bf16 stage-0 wrapper (the CPU route); it never flattens, so no fix touches it yet."""
 
 
-class SafeBF16_Optimizer(AlignFlatGroups, ExcludeZeroElementParams, BF16_Optimizer):
+class SafeBF16_Optimizer(CapturesSession, AlignFlatGroups, ExcludeZeroElementParams, BF16_Optimizer):
     """ZeRO-1 + bf16 + fp32 gradient accumulation wrapper."""
 
 
-class SafeDeepSpeedZeroOptimizer(AlignRoundRobinGroups, ZeroFillMissingGradsStage12, ExcludeZeroElementParams,
-                                 DetachFlatBuffers, DeepSpeedZeroOptimizer):
+class SafeDeepSpeedZeroOptimizer(CapturesSession, AlignRoundRobinGroups, ZeroFillMissingGradsStage12,
+                                 ExcludeZeroElementParams, DetachFlatBuffers, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 optimizer."""
 
 
-class SafeDeepSpeedZeroOptimizer_Stage3(AlignStage3SubGroups, ZeroFillMissingGradsStage3, DeepSpeedZeroOptimizer_Stage3):
+class SafeDeepSpeedZeroOptimizer_Stage3(CapturesSession, AlignStage3SubGroups, ZeroFillMissingGradsStage3,
+                                        DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 optimizer."""
 
 
-class SafeDeepSpeedZeRoOffload(AlignAllReduceFetch, AdoptZeroElementParams, DeepSpeedZeRoOffload):
+class SafeDeepSpeedZeRoOffload(CapturesSession, AlignAllReduceFetch, AdoptZeroElementParams, DeepSpeedZeRoOffload):
     """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
 
 
-class SafePartitionedParameterCoordinator(GuardGatheredAlignment, MaterializeZeroElementOnFetch,
+class SafePartitionedParameterCoordinator(CapturesSession, GuardGatheredAlignment, MaterializeZeroElementOnFetch,
                                           PartitionedParameterCoordinator):
     """ZeRO-3 fetch/release coordinator."""
 
