@@ -4,12 +4,17 @@ Every wrapper that flattens its parameter groups (``FP16_Optimizer``, ``BF16_Opt
 ``DeepSpeedZeroOptimizer``) used to take zero-element trainable parameters into its flat
 buffers. That fails three ways, depending on the release and the torch build: rebinding the
 parameter to its slice loses its shape (``(0, 8)`` -> ``(0,)``, where torch's
-``unflatten_dense_tensors`` returns ``zeros({0})``), ZeRO-1/2 gradient reduction raises
-``KeyError`` in ``average_tensor`` (< 0.19.6), and ZeRO-2 HP-fragment mapping asserts
-``fragment start N should be < fragment_end N`` (0.18.x). DeepSpeed 0.19.8 fixed all of
-it by leaving such parameters out of every optimizer group (``is_optimized_parameter``);
-this fix does the same on older releases. A zero-element parameter has nothing to optimize,
-so leaving it out loses no state; the module's ``state_dict`` still carries it.
+``unflatten_dense_tensors`` returns ``zeros({0})``; fp16/bf16 wrappers < 0.19.8, ZeRO-1/2
+< 0.19.7), ZeRO-1/2 gradient reduction raises ``KeyError`` in ``average_tensor`` (< 0.19.6),
+and ZeRO-1/2 HP-fragment mapping asserts ``fragment start N should be < fragment_end N`` when
+the parameter sits inside a rank's partition, as FP-Quant's placeholders do (< 0.19.6).
+DeepSpeed 0.19.8 fixed all of it by leaving such parameters out of every optimizer group
+(``is_optimized_parameter``); this fix does the same on older releases.
+
+A zero-element parameter has nothing to optimize, so leaving it out loses no state. The
+module's ``state_dict``, and so ``save_checkpoint``/``load_checkpoint``, still carry it with
+its shape. A ``zero_to_fp32`` consolidated state dict leaves it out (as stock 0.19.8 does at
+ZeRO-1): load such a dict with ``strict=False``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from packaging.version import Version
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
-from tests.fixes.test_zero_element_groups import check_trained_and_restored, train_and_roundtrip
+from tests.fixes.test_zero_element_groups import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
 from tests.rig import RankFailure
 
 NEEDED = flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION)
@@ -29,7 +29,7 @@ def test_fix_is_needed_exactly_where_the_buffer_has_history():
 @pytest.mark.parametrize("model", ["Control", "FPQuantLike"])
 def test_stock_zero12_at_world_size_2(ranks, tmp_path, model, stage):
     run = dict(model=model, stage=stage, safe=False, world_size=2, ckpt_dir=str(tmp_path))
-    if model == "FPQuantLike" and zero_element_groups.FIX.needed(DEEPSPEED_VERSION):
+    if model == "FPQuantLike" and FRAGMENT_ASSERT:
         # Each rank's partition holds a placeholder, so both fail at initialize, before any all-gather.
         with pytest.raises(RankFailure, match=FRAGMENT) as failure:
             ranks.run(2, train_and_roundtrip, **run)
@@ -51,8 +51,11 @@ def test_safe_zero12_trains_and_restores_at_world_size_2(ranks, tmp_path, model,
     check_trained_and_restored(results)
     for r in results:
         assert r["wrapper"] == "SafeDeepSpeedZeroOptimizer"
+        assert r["flat_buffer_history"] == [False], "the flat buffer the all-gather writes must carry no autograd history"
         assert ("flat_buffer_autograd" in r["report"]) == NEEDED
         assert ("zero_element_groups" in r["report"]) == (
             model == "FPQuantLike" and zero_element_groups.FIX.needed(DEEPSPEED_VERSION))
     if model == "FPQuantLike":
         assert results[0]["shapes_after"] == {"q1.weight": (0,), "q2.weight": (0,)}
+    if not NEEDED and not zero_element_groups.FIX.needed(DEEPSPEED_VERSION):
+        assert all(r["report"] == {} for r in results), "no fix may act where DeepSpeed has no defect"

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 from torch import nn
 
 from safe_zero._compat import DEEPSPEED_VERSION
@@ -27,6 +28,16 @@ from tests.models import Control, ZeroSized, build, ds_config, train
 from tests.rig import RankFailure
 
 NEEDED = zero_element_groups.FIX.needed(DEEPSPEED_VERSION)
+# Stock's symptoms went away release by release (#8280/#8298 in 0.19.6, #8277 in 0.19.7, the rest in
+# 0.19.8); what stock does is asserted per symptom, so ``make matrix`` checks every release exactly.
+KEYERROR = DEEPSPEED_VERSION in SpecifierSet("<0.19.6")
+FRAGMENT_ASSERT = DEEPSPEED_VERSION in SpecifierSet("<0.19.6")
+SHAPE_LOST = {"FP16_Optimizer": NEEDED, "BF16_Optimizer": NEEDED,
+              "DeepSpeedZeroOptimizer": DEEPSPEED_VERSION in SpecifierSet("<0.19.7")}
+# Before 0.18.5 the engine's own (non-ZeRO) gradient all-reduce also sends a zero-element gradient
+# through unflatten and copies the result back: under the emulation that raises in DeepSpeedEngine,
+# which the injection does not reach (torch 2.13 keeps the shape, so real runs are unaffected).
+ENGINE_REDUCES_ZERO_ELEMENT_GRADS = DEEPSPEED_VERSION in SpecifierSet("<0.18.5")
 
 
 class _QuantLinear(nn.Module):
@@ -81,6 +92,7 @@ def train_and_roundtrip(model: str, stage: int, safe: bool, world_size: int, ckp
         "expected_shapes": expected_shapes,
         "shapes_init": _zero_element_shapes(engine.module),
     }
+    result["flat_buffer_history"] = [t.requires_grad or t.grad_fn is not None for t in engine.optimizer.bit16_groups_flat]
     result["losses"] = train(engine, steps)
     result["shapes_after"] = _zero_element_shapes(engine.module)
 
@@ -126,7 +138,7 @@ def check_trained_and_restored(results: list[dict], steps: int = 3) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stock_zero12_with_a_zero_sized_parameter(ranks, tmp_path, stage, world_size):
     run = dict(model="ZeroSized", stage=stage, safe=False, world_size=world_size, ckpt_dir=str(tmp_path))
-    if NEEDED:
+    if KEYERROR:
         with pytest.raises(RankFailure, match=r"KeyError: \d+") as failure:
             ranks.run(world_size, train_and_roundtrip, **run)
         assert len(failure.value.errors) == world_size
@@ -144,10 +156,13 @@ def test_safe_zero12_trains_and_restores_a_zero_sized_parameter(ranks, tmp_path,
     for r in results:
         assert r["wrapper"] == "SafeDeepSpeedZeroOptimizer"
         assert r["shapes_after"] == {"empty.weight": (0, 8)}
+        assert r["flat_buffer_history"] == [False]
         if NEEDED:
             assert r["report"]["zero_element_groups"] == ["1 zero-element parameter(s) kept out of SafeDeepSpeedZeroOptimizer"]
         else:
             assert "zero_element_groups" not in r["report"]
+        if not NEEDED and not flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
+            assert r["report"] == {}, "no fix may act where DeepSpeed has no defect"
 
 
 # --- issue 10.2: FP-Quant-like layout, a zero-element placeholder inside a partition -------------------------------
@@ -155,7 +170,7 @@ def test_safe_zero12_trains_and_restores_a_zero_sized_parameter(ranks, tmp_path,
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stock_zero12_asserts_on_a_placeholder_inside_a_partition(ranks, tmp_path, stage):
-    if NEEDED:
+    if FRAGMENT_ASSERT:
         # The placeholder at offset 8 (after q1.bias) is inside the single partition.
         with pytest.raises(RankFailure, match="fragment start 8 should be < fragment_end 8"):
             ranks.run(1, train_and_roundtrip, model="FPQuantLike", stage=stage, safe=False, world_size=1,
@@ -272,16 +287,22 @@ def legacy_route(route: str, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("route", list(ROUTES))
-def test_zero_element_parameter_keeps_its_shape_under_legacy_unflatten(ranks, route, world_size):
+def test_zero_element_parameter_keeps_its_shape_under_legacy_unflatten(ranks, request, route, world_size):
+    if ENGINE_REDUCES_ZERO_ELEMENT_GRADS and route in ("bf16_stage0_fused", "bf16_optimizer"):
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=RankFailure,
+            reason="DeepSpeed < 0.18.5 all-reduces the zero-element gradient in DeepSpeedEngine.allreduce_and_copy"))
     results = ranks.run(world_size, legacy_route, route=route, world_size=world_size)
     for r in results:
         assert r["stock_wrapper"] == ROUTES[route], "the test must reach the wrapper it is about"
         # Stock on a release with the defect rebinds the parameter to torch's zeros({0}).
-        assert r["stock_shape"] == ((0,) if NEEDED else (0, 8))
+        assert r["stock_shape"] == ((0,) if SHAPE_LOST[ROUTES[route]] else (0, 8))
         assert r["wrapper"] == "Safe" + ROUTES[route]
         assert r["shape_init"] == r["shape_after"] == (0, 8)
         assert len(r["losses"]) == 2 and all(torch.isfinite(torch.tensor(r["losses"])))
         assert ("zero_element_groups" in r["report"]) == NEEDED
         if not flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
             assert "flat_buffer_autograd" not in r["report"]
+        if not NEEDED:
+            assert r["report"] == {}, "no fix may act where DeepSpeed has no defect"
     assert results[0]["losses"] == results[-1]["losses"]
