@@ -227,12 +227,13 @@ def _installed_initialize(*args: Any, **kwargs: Any) -> tuple:
 def install() -> None:
     """Route every ``deepspeed.initialize`` in this process through :func:`initialize`, and
     ``deepspeed.zero.Init`` to :class:`safe_zero.Init`. Idempotent."""
-    from safe_zero.zero_init import Init
+    from safe_zero.zero_init import STOCK_INIT, Init
 
     with _LOCK:
         if deepspeed.initialize is not _installed_initialize:
             deepspeed.initialize = _installed_initialize
-        deepspeed.zero.Init = Init
+        if deepspeed.zero.Init is STOCK_INIT:  # a class someone else put there stays (uninstall could not restore it)
+            deepspeed.zero.Init = Init
 
 
 def uninstall() -> None:

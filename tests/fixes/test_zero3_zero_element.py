@@ -77,13 +77,24 @@ class Chain(nn.Module):
         return self.out(h).pow(2).mean() + extra
 
 
+class _FrozenEmpty(nn.Module):
+    """Frozen from birth, so zero.Init already sees it frozen when it partitions (and quantizes) it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(EMPTY_SHAPE), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
 class Quantizable(nn.Module):
     """Sized partitions DeepSpeed's quantizer accepts (a multiple of 8 elements per rank) and a frozen empty layer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dense = nn.Linear(8, 16, bias=False)
-        self.empty = nn.Linear(8, 0, bias=False).requires_grad_(False)
+        self.empty = _FrozenEmpty()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense(x).pow(2).mean() + self.empty(x).sum()
@@ -265,6 +276,20 @@ def s_zero_init(safe: bool, ws: int) -> dict:
     return _trained(_engine(model, safe, ws, stage3_param_persistence_threshold=0))
 
 
+def s_zero_init_quant(safe: bool, ws: int) -> dict:
+    """zero.Init partitions (and quantizes) a frozen empty layer while the model is built."""
+    import deepspeed
+
+    import safe_zero
+
+    zero = dict(stage3_param_persistence_threshold=0, zero_quantized_nontrainable_weights=True)
+    with stand_in_quantizer():
+        torch.manual_seed(0)
+        with (safe_zero.Init if safe else deepspeed.zero.Init)(config_dict_or_path=ds_config(3, world_size=ws, **zero)):
+            model = Quantizable()
+        return _trained(_engine(model, safe, ws, **zero))
+
+
 def s_zero_init_installed(safe: bool, ws: int) -> dict:
     """After ``safe_zero.install()`` plain ``deepspeed.zero.Init`` and ``deepspeed.initialize`` are safe_zero's."""
     import deepspeed
@@ -444,6 +469,7 @@ STOCK_ERRORS = {
     "eval_no_grad": {1: NOT_AVAILABLE, 2: EMPTY_CAT},
     "inference_only": {1: NOT_AVAILABLE, 2: EMPTY_CAT},
     "zero_init": {1: NOT_AVAILABLE, 2: EMPTY_CAT},
+    "zero_init_quant": {1: "ZeroDivisionError", 2: "ZeroDivisionError"},
     "checkpoint": {1: NOT_AVAILABLE, 2: EMPTY_CAT},
 }
 
@@ -489,7 +515,7 @@ def test_stock_deepspeed_fails_on_zero_element_params(results, name, world_size)
 
 
 TRAINED = ["only_trainable", "only_frozen", "only_fp32", "mixed_bucket", "prefetch_chain", "offload",
-           "persist_large", "quant_nontrainable", "quant_weights", "eval_no_grad", "zero_init",
+           "persist_large", "quant_nontrainable", "quant_weights", "eval_no_grad", "zero_init", "zero_init_quant",
            "zero_init_installed"]
 
 
