@@ -90,7 +90,45 @@ def _wants(plan: AlignmentPlan, session: Any, params: list[torch.Tensor]) -> boo
     return plan.active and session.uses(FIX) and (plan.everything or any(plan.needs(p) for p in params))
 
 
-class AlignFlatGroups:
+ORDER_KEY = "safe_zero_flat_order"
+
+
+class RecordsFlatOrder:
+    """Checkpoints carry the flat order; loading one written in another order is refused, not scrambled.
+
+    The buffers keep their size when reordered, so DeepSpeed would copy a stock checkpoint's fp32 master
+    weights and optimizer state into the reordered buffers without complaint, onto the wrong parameters.
+    """
+
+    def _record_flat_order(self, order: list[int]) -> None:
+        orders = self.__dict__.setdefault("_safe_zero_flat_order", [])
+        orders.append(list(order))
+
+    def _flat_order(self) -> list[list[int]] | None:
+        return self.__dict__.get("_safe_zero_flat_order") or None
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        state = super().state_dict(*args, **kwargs)
+        if isinstance(state, dict):
+            state[ORDER_KEY] = self._flat_order()
+        return state
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        given = kwargs.get("state_dict_list", kwargs.get("state_dict", args[0] if args else None))
+        states = given if isinstance(given, (list, tuple)) else [given]
+        for state in states:
+            if isinstance(state, dict) and state.get(ORDER_KEY) != self._flat_order():
+                raise AlignmentError(
+                    "this checkpoint's flat buffers were written in "
+                    f"{'safe_zero' if state.get(ORDER_KEY) else 'stock'} parameter order, but this run lays them out "
+                    f"in {'safe_zero' if self._flat_order() else 'stock'} order; its fp32 master weights and "
+                    "optimizer state would land on the wrong parameters. Resume with the setting that saved it: "
+                    '"safe_zero": {"alignment": false} (or "fixes": {"grouped_mm_alignment": false}) for a '
+                    "checkpoint written without safe_zero's alignment, the defaults otherwise.")
+        return super().load_state_dict(*args, **kwargs)
+
+
+class AlignFlatGroups(RecordsFlatOrder):
     """Mixin for the flattening wrappers: orders the groups before DeepSpeed flattens them, then checks.
 
     ``parameter_alignment=True`` (ZeRO-1/2 on DeepSpeed >= 0.19.7) means DeepSpeed pads itself;
@@ -113,6 +151,7 @@ class AlignFlatGroups:
                 order = _aligned_order(params, plan, route)
                 if order != sorted(order):
                     group["params"] = _reorder(params, order)
+                    self._record_flat_order(order)
                     moved += sum(1 for new, old in enumerate(order) if new != old)
             if moved:
                 session.engaged(FIX, f"{route}: flattened whole-16-byte parameters first ({moved} moved) "
@@ -136,11 +175,13 @@ class AlignRoundRobinGroups(AlignFlatGroups):
         if getattr(self, "parameter_alignment", False) or not _wants(plan, session, tensors):
             return tensors, indices
         order = _aligned_order(tensors, plan, "DeepSpeedZeroOptimizer (round_robin_gradients)")
+        if order != sorted(order):
+            self._record_flat_order(order)
         position = {old: new for new, old in enumerate(order)}
         return _reorder(tensors, order), {original: position[at] for original, at in indices.items()}
 
 
-class AlignStage3SubGroups:
+class AlignStage3SubGroups(RecordsFlatOrder):
     """Mixin for ``DeepSpeedZeroOptimizer_Stage3``: where a rank holds a whole parameter (world size 1, or a
     partition group of one), the gathered weight IS its partition, a view into the optimizer's flat lp buffer.
     Order each parameter group whole-16-byte partitions first before DeepSpeed cuts it into sub-groups.
@@ -175,6 +216,7 @@ class AlignStage3SubGroups:
             order = _aligned_order(params_group, plan, "DeepSpeedZeroOptimizer_Stage3", nbytes=_partition_nbytes)
             if order != sorted(order):
                 params_group = _reorder(params_group, order)
+                self._record_flat_order(order)
                 session.engaged(FIX, "DeepSpeedZeroOptimizer_Stage3: flattened whole-16-byte partitions first")
         return super()._create_fp16_sub_groups(params_group)
 
@@ -229,4 +271,4 @@ class GuardGatheredAlignment:
 
 
 __all__ = ["AlignAllReduceFetch", "AlignFlatGroups", "AlignRoundRobinGroups", "AlignStage3SubGroups", "FIX",
-           "GuardGatheredAlignment"]
+           "GuardGatheredAlignment", "ORDER_KEY", "RecordsFlatOrder"]

@@ -391,3 +391,20 @@ def test_zero3_refuses_at_initialize_a_weight_that_an_earlier_param_group_pushes
     with pytest.raises(RankFailure, match=r"AlignmentError: safe_zero cannot keep grouped_mm weight experts 16-byte "
                                           r"aligned on ZeRO-3 \(data_ptr % 16 = 6\): the optimizer parameter groups before it"):
         ranks.run(1, _zero3_two_groups_body)
+
+
+def _stock_checkpoint_body(route: str, ckpt: str) -> str:
+    stock = _engine("odd", route, safe=False)
+    _steps(stock, 1)
+    stock.save_checkpoint(ckpt, tag="stock")
+    safe = _engine("odd", route, safe=True)
+    safe.load_checkpoint(ckpt, tag="stock")
+    return "loaded"
+
+
+@pytest.mark.parametrize("route", ["bf16_optimizer", "fused_stage0"])
+def test_a_stock_checkpoint_is_refused_not_loaded_onto_the_wrong_parameters(ranks, tmp_path, route):
+    # Same buffer size, other order: without the refusal DeepSpeed would copy the master weights across silently.
+    with pytest.raises(RankFailure, match=r"AlignmentError: this checkpoint's flat buffers were written in stock "
+                                          r"parameter order, but this run lays them out in safe_zero order"):
+        ranks.run(1, _stock_checkpoint_body, route=route, ckpt=str(tmp_path / "ckpt"))
