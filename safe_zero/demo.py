@@ -17,6 +17,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from safe_zero.alignment import mark_grouped_mm
+
 STEPS = 4
 
 
@@ -39,7 +41,8 @@ class DemoModel(nn.Module):
         super().__init__()
         self.odd = nn.Parameter(torch.randn(3) * 0.1)  # an odd-numel parameter ahead of the experts
         self.dense = nn.Linear(hidden, hidden)
-        self.experts = nn.Parameter(torch.randn(experts, hidden, hidden) * 0.1)
+        # Stands in for grouped_mm experts: marked, so safe_zero keeps it 16-byte aligned.
+        self.experts = mark_grouped_mm(nn.Parameter(torch.randn(experts, hidden, hidden) * 0.1))
         self.placeholder = nn.Linear(hidden, 0, bias=False)  # zero-sized, trainable
         self.dqweight = nn.Parameter(torch.full((hidden, ), 0.01))  # trainable, never gets a gradient
         self.head = nn.Linear(hidden, 1)

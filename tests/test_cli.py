@@ -25,6 +25,7 @@ def test_demo_shows_stock_failing_and_safe_zero_training():
     safe = [line for line in lines if line.startswith("ZeRO-") and " safe_zero " in line]
     assert len(stock) == 2 and all("FAILS" in line for line in stock), result.stdout
     assert len(safe) == 2 and all(" trains " in line for line in safe), result.stdout
+    assert all(line.rstrip().endswith("data_ptr % 16 = 0") for line in safe), result.stdout
     assert "safe_zero trained every configuration." in lines
 
 
