@@ -30,13 +30,16 @@ class Session:
 
     options: SafeZeroOptions = field(default_factory=SafeZeroOptions)
     report: dict[str, list[str]] = field(default_factory=dict)
+    _uses: dict[str, bool] = field(default_factory=dict, repr=False)
 
     def uses(self, fix: Fix) -> bool:
         """Whether ``fix`` is on: forced by the options, or ``"auto"`` and needed on this DeepSpeed."""
-        setting = self.options.fixes.get(fix.name, "auto")
-        if setting == "auto":
-            return fix.needed(DEEPSPEED_VERSION)
-        return bool(setting)
+        # Hooks ask this per parameter per step; the answer cannot change within a session.
+        on = self._uses.get(fix.name)
+        if on is None:
+            setting = self.options.fixes.get(fix.name, "auto")
+            on = self._uses[fix.name] = fix.needed(DEEPSPEED_VERSION) if setting == "auto" else bool(setting)
+        return on
 
     def engaged(self, fix: Fix, what: str) -> None:
         """Record that ``fix`` acted; the report is logged once initialize returns."""
