@@ -17,3 +17,11 @@ def ranks():
     pools = Pools()
     yield pools
     pools.close()
+
+
+def pytest_sessionstart(session):
+    # Build DeepSpeed's CPU comm op once, here, before any test spawns ranks: two ranks racing to
+    # JIT-build it in a cold venv can outlast the pool's start timeout and leave a stale build lock.
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
