@@ -18,20 +18,9 @@ import torch
 from torch import nn
 
 from safe_zero.alignment import mark_grouped_mm
+from safe_zero.probes import DropGrad
 
 STEPS = 4
-
-
-class _NoGrad(torch.autograd.Function):
-    """Uses the weight in the forward but returns no gradient for it, as FP-Quant's kernel does."""
-
-    @staticmethod
-    def forward(ctx, x, w):  # type: ignore[override]
-        return x * (1 + w.mean())
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
 
 
 class DemoModel(nn.Module):
@@ -44,14 +33,14 @@ class DemoModel(nn.Module):
         # Stands in for grouped_mm experts: marked, so safe_zero keeps it 16-byte aligned.
         self.experts = mark_grouped_mm(nn.Parameter(torch.randn(experts, hidden, hidden) * 0.1))
         self.placeholder = nn.Linear(hidden, 0, bias=False)  # zero-sized, trainable
-        self.dqweight = nn.Parameter(torch.full((hidden, ), 0.01))  # trainable, never gets a gradient
+        self.dqweight = nn.Parameter(torch.full((hidden, ), 1.0 / hidden))  # trainable, never gets a gradient
         self.head = nn.Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.dense(x)) + self.odd.sum()
         # Every expert sees every token: a batched matmul stands in for grouped_mm on CPU.
         h = torch.einsum("bh,ehk->bk", h, self.experts) / self.experts.shape[0]
-        h = _NoGrad.apply(h, self.dqweight)
+        h = DropGrad.apply(h, self.dqweight)
         return (self.head(h) - 1).pow(2).mean() + self.placeholder(x).sum()
 
 

@@ -24,7 +24,9 @@ class _ZeroSized(nn.Module):
         return self.dense(x).sum() + self.empty(x).sum()
 
 
-class _NoGrad(torch.autograd.Function):
+class DropGrad(torch.autograd.Function):
+    """``x * w.sum()`` that returns no gradient for ``w``, as FP-Quant's pseudo-quant kernel does for ``dqweight``."""
+
     @staticmethod
     def forward(ctx, x, w):  # type: ignore[override]
         return x * w.sum()
@@ -41,7 +43,7 @@ class _Gradless(nn.Module):
         self.dqweight = nn.Parameter(torch.ones(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NoGrad.apply(self.dense(x), self.dqweight).sum()
+        return DropGrad.apply(self.dense(x), self.dqweight).sum()
 
 
 def _engine(model_cls: type, stage: int) -> Any:

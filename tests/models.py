@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from safe_zero.probes import DropGrad
+
 
 class ZeroSized(nn.Module):
     """REFERENCE §1's minimal failing model: a dense layer beside a layer with zero output features."""
@@ -21,16 +23,8 @@ class ZeroSized(nn.Module):
         return self.dense(x).pow(2).mean() + self.empty(x).sum()
 
 
-class _DropGrad(torch.autograd.Function):
-    """Uses ``w`` in the forward but returns no gradient for it, as FP-Quant's pseudo-quant kernel does."""
-
-    @staticmethod
-    def forward(ctx, x, w):  # type: ignore[override]
-        return x * w.sum()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
+# Uses a weight in the forward but returns no gradient for it, as FP-Quant's pseudo-quant kernel does.
+_DropGrad = DropGrad
 
 
 class Gradless(nn.Module):
