@@ -8,8 +8,6 @@ placeholder / rank-0 adapter), a trainable parameter that gets no gradient (FP-Q
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 import time
 from typing import Any, Callable
@@ -18,7 +16,7 @@ import torch
 from torch import nn
 
 from safe_zero.alignment import mark_grouped_mm
-from safe_zero.probes import DropGrad
+from safe_zero.probes import DropGrad, init_single_process
 
 STEPS = 4
 
@@ -79,20 +77,6 @@ def _run(init: Callable[..., Any], stage: int) -> tuple[str, str, str]:
     except Exception as e:  # the point of the demo: show what stock raises
         message = str(e).splitlines()[0] if str(e) else ""
         return f"FAILS: {type(e).__name__}: {message[:60]}", "-", "-"
-
-
-def init_single_process() -> None:
-    """One CPU rank with gloo, unless a launcher already set up the process group."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def main() -> int:

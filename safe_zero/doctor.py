@@ -68,7 +68,7 @@ def analyse_model(model: nn.Module) -> dict[str, Any]:
 
 
 def diagnose(model_spec: str | None = None) -> dict[str, Any]:
-    from safe_zero.demo import init_single_process
+    from safe_zero.probes import init_single_process
 
     init_single_process()
     import safe_zero

@@ -3,11 +3,13 @@
 A version table says what a release *should* do; a probe shows what this installation (this
 DeepSpeed, this torch) *does*. Each probe builds a model of a few parameters, runs stock
 ``deepspeed.initialize`` at world size 1, and looks at the symptom or at its root cause.
-They need an initialized process group (``python -m safe_zero doctor`` sets up one rank).
+They need an initialized process group: :func:`init_single_process` sets up one CPU rank.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any, Callable
 
 import torch
@@ -44,6 +46,20 @@ class _Gradless(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return DropGrad.apply(self.dense(x), self.dqweight).sum()
+
+
+def init_single_process() -> None:
+    """One CPU rank with gloo, unless a launcher already set up the process group."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
 
 
 def _engine(model_cls: type, stage: int) -> Any:
