@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from safe_zero.alignment import ALIGNMENT_BYTES, grouped_mm_parameters, padding_bytes  # noqa: E402
+from safe_zero.alignment import ALIGNMENT_BYTES, AlignmentPlan, grouped_mm_parameters, padding_bytes  # noqa: E402
+from safe_zero.fixes.grouped_mm_alignment import _aligned_order  # noqa: E402
 
 BF16 = 2
 
@@ -50,12 +51,20 @@ def overhead(model: torch.nn.Module) -> dict:
     deepspeed_pad = padding_bytes(numels, BF16)
     off_grid = sum(1 for n in numels if n * BF16 % ALIGNMENT_BYTES)
     wanted = {id(p) for p in detected.values()}
-    offset, misaligned = 0, 0
-    for p, n in zip(params, numels):  # the stock, unpadded layout
-        misaligned += id(p) in wanted and offset % ALIGNMENT_BYTES != 0
-        offset += n * BF16
+
+    def misaligned(order: list[int]) -> int:
+        offset, off = 0, 0
+        for i in order:
+            off += id(params[i]) in wanted and offset % ALIGNMENT_BYTES != 0
+            offset += numels[i] * BF16
+        return off
+
+    # The order safe_zero's fix flattens in (raises where one unpadded order cannot align them all).
+    safe_order = _aligned_order(params, AlignmentPlan(params=detected, active=True), "benchmark",
+                                nbytes=lambda p: p.numel() * BF16)
     return {"params": len(params), "grouped_mm weights": len(detected), "off-grid params": off_grid,
-            "misaligned in stock layout": misaligned,
+            "misaligned in stock layout": misaligned(list(range(len(params)))),
+            "misaligned in safe_zero order": misaligned(safe_order),
             "flat bytes": flat, "parameter_alignment pad": deepspeed_pad,
             "parameter_alignment %": 100.0 * deepspeed_pad / flat, "safe_zero order pad": 0}
 
@@ -80,7 +89,8 @@ def main() -> None:
         print(f"  flat bf16 buffer: {row['flat bytes']:,} bytes")
         print(f"  DeepSpeed parameter_alignment padding: {row['parameter_alignment pad']:,} bytes "
               f"({row['parameter_alignment %']:.2e} % of the buffer)")
-        print(f"  safe_zero flat-buffer order padding: {row['safe_zero order pad']} bytes (0 %)")
+        print(f"  safe_zero flat-buffer order: {row['safe_zero order pad']} bytes of padding, "
+              f"{row['misaligned in safe_zero order']} grouped_mm weights off the grid")
 
 
 if __name__ == "__main__":

@@ -50,23 +50,36 @@ def _engine(model: nn.Module, stage: int, safe: bool) -> Any:
     return engine
 
 
-def step_seconds(stage: int, safe: bool, steps: int = 20, warmup: int = 3) -> float:
-    """Median seconds per training step of ``Wide`` (the same on every rank up to noise)."""
+def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3) -> list[tuple[float, float]]:
+    """``(stock, safe_zero)`` seconds of ``pairs`` training steps of ``Wide``, taken alternately on two engines.
+
+    Both engines live in this process from the same seed, so a pair shares the machine's state at
+    that moment; which engine steps first alternates so neither gets the warmer caches.
+    """
     import torch.distributed as dist
 
-    torch.manual_seed(0)
-    engine = _engine(Wide(), stage, safe)
+    engines = {}
+    for safe in (False, True):
+        torch.manual_seed(0)
+        engines[safe] = _engine(Wide(), stage, safe)
     x = torch.randn(8, 256).to(torch.bfloat16)
-    times = []
-    for i in range(warmup + steps):
+
+    def timed_step(safe: bool) -> float:
         dist.barrier()
         start = time.perf_counter()
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        loss = engines[safe](x)
+        engines[safe].backward(loss)
+        engines[safe].step()
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        for safe in (False, True):
+            timed_step(safe)
+    times = []
+    for i in range(pairs):
+        got = {safe: timed_step(safe) for safe in ((False, True) if i % 2 == 0 else (True, False))}
+        times.append((got[False], got[True]))
+    return times
 
 
 def all_gathers_per_step(k: int, steps: int = 3) -> list[int]:

@@ -34,7 +34,7 @@ FIX = Fix(
 
 
 def _fill_missing_grad(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any) -> None:
-    if param.grad is None and param.requires_grad:
+    if param.requires_grad:
         param.grad = torch.zeros(shape, dtype=param.dtype, device=device)
         session = session_for(wrapper)
         if not getattr(param, "_safe_zero_gradless_reported", False):
@@ -46,7 +46,8 @@ class ZeroFillMissingGradsStage12:
     """Mixin for ``DeepSpeedZeroOptimizer``: fills the gradient in the per-parameter hook body."""
 
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
-        if session_for(self).uses(FIX):
+        # Runs per parameter per step: the cheap test first.
+        if param.grad is None and session_for(self).uses(FIX):
             _fill_missing_grad(self, param, param.shape, param.device)
         super().process_gradients(param, i)
 
@@ -55,7 +56,7 @@ class ZeroFillMissingGradsStage3:
     """Mixin for ``DeepSpeedZeroOptimizer_Stage3``: fills the gradient in the per-parameter hook body."""
 
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
-        if session_for(self).uses(FIX):
+        if param.grad is None and session_for(self).uses(FIX):
             # The parameter may already be re-partitioned here: size the gradient from ds_shape.
             from deepspeed.accelerator import get_accelerator
             _fill_missing_grad(self, param, param.ds_shape, get_accelerator().current_device_name())

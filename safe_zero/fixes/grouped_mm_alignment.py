@@ -254,20 +254,29 @@ class GuardGatheredAlignment:
     detected weights among them (the ZeRO-3 half of the ``alignment_guard``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        session_for(self)  # fetches run after initialize returned: bind the caller's session now
+        # module id -> its detected weights: fetches run per submodule per step, so look once.
+        self._safe_zero_guarded_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
         super().__init__(*args, **kwargs)
 
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         super().fetch_sub_module(current_submodule, forward)
+        guarded = self._safe_zero_guarded_by_module.get(id(current_submodule))
+        if guarded is None:
+            guarded = self._safe_zero_guarded_by_module[id(current_submodule)] = self._guarded(current_submodule)
+        for param in guarded:
+            if param.numel() and param.data_ptr() % ALIGNMENT_BYTES:
+                raise AlignmentError(
+                    f"safe_zero alignment guard: grouped_mm weight {plan_for(session_for(self)).name(param)} was "
+                    f"gathered {param.data_ptr() % ALIGNMENT_BYTES} bytes off the 16-byte grid by ZeRO-3. CUDA "
+                    "grouped_mm would fail with 'expected data_ptr to be aligned to 16 bytes'. Put the grouped_mm "
+                    "weights in the first optimizer parameter group, or use ZeRO-1/2.")
+
+    def _guarded(self, module: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
+        """The detected grouped_mm weights of ``module`` (none when the alignment guard is off)."""
         plan = plan_for(session_for(self))
-        if plan.guard:
-            for param in current_submodule.parameters(recurse=False):
-                if plan.needs(param) and param.numel() and param.data_ptr() % ALIGNMENT_BYTES:
-                    raise AlignmentError(
-                        f"safe_zero alignment guard: grouped_mm weight {plan.name(param)} was gathered "
-                        f"{param.data_ptr() % ALIGNMENT_BYTES} bytes off the 16-byte grid by ZeRO-3. CUDA grouped_mm "
-                        "would fail with 'expected data_ptr to be aligned to 16 bytes'. Put the grouped_mm weights "
-                        "in the first optimizer parameter group, or use ZeRO-1/2.")
+        if not plan.guard:
+            return ()
+        return tuple(p for p in module.parameters(recurse=False) if plan.needs(p))
 
 
 __all__ = ["AlignAllReduceFetch", "AlignFlatGroups", "AlignRoundRobinGroups", "AlignStage3SubGroups", "FIX",

@@ -162,14 +162,25 @@ class MaterializeZeroElementOnFetch:
     own release (``param.partition``) frees them again without a collective.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # module id -> its zero-element parameters: fetches run per submodule per step, so look once.
+        self._safe_zero_empty_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
+        super().__init__(*args, **kwargs)
+
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
-        session = session_for(self)
-        if session.uses(FIX):
-            params = iter_params(current_submodule, recurse=z3_leaf_module(current_submodule))
-            if materialize_available(params) and not getattr(self, "_safe_zero_fetch_reported", False):
-                session.engaged(FIX, "zero-element parameters made available at fetch without a collective")
-                self._safe_zero_fetch_reported = True
+        empty = self._safe_zero_empty_by_module.get(id(current_submodule))
+        if empty is None:
+            empty = self._safe_zero_empty_by_module[id(current_submodule)] = self._zero_element_params(current_submodule)
+        if empty and materialize_available(empty) and not getattr(self, "_safe_zero_fetch_reported", False):
+            session_for(self).engaged(FIX, "zero-element parameters made available at fetch without a collective")
+            self._safe_zero_fetch_reported = True
         super().fetch_sub_module(current_submodule, forward)
+
+    def _zero_element_params(self, module: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
+        """The parameters of ``module`` the stock fetch would leave ``NOT_AVAILABLE`` (none when the fix is off)."""
+        if not session_for(self).uses(FIX):
+            return ()
+        return tuple(p for p in iter_params(module, recurse=z3_leaf_module(module)) if is_zero_element(p))
 
 
 class AdoptZeroElementParams:
