@@ -48,6 +48,18 @@ class _Gradless(nn.Module):
         return DropGrad.apply(self.dense(x), self.dqweight).sum()
 
 
+class _ExpertsAfterOddParam(nn.Module):
+    """A 6-byte parameter, then an expert weight: flattened back to back, the weight starts 6 bytes off the grid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.experts = nn.Parameter(torch.ones(2, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.experts[0]).sum() * self.scale.sum()
+
+
 def init_single_process() -> None:
     """One CPU rank with gloo, unless a launcher already set up the process group."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -115,9 +127,16 @@ def probe_flat_buffer_autograd() -> bool:
     return any(flat.requires_grad for flat in engine.optimizer.bit16_groups_flat)
 
 
+def probe_grouped_mm_alignment() -> bool:
+    """Root cause: stock ZeRO-2 (default config) hands an expert weight a view off the 16-byte grid."""
+    engine = _engine(_ExpertsAfterOddParam, 2)
+    return engine.module.experts.data_ptr() % 16 != 0
+
+
 PROBES: dict[str, Callable[[], bool]] = {
     "zero3_zero_element_params": probe_zero3_zero_element_params,
     "gradless_params": probe_gradless_params,
     "zero_element_groups": probe_zero_element_groups,
     "flat_buffer_autograd": probe_flat_buffer_autograd,
+    "grouped_mm_alignment": probe_grouped_mm_alignment,
 }

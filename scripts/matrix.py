@@ -1,24 +1,37 @@
-"""``make matrix``: the fix tests against every DeepSpeed release where behaviour changed.
+"""``make matrix``: the core test suite against every DeepSpeed release where behaviour changed.
 
-For each release: a virtual environment (torch pinned to the CPU build), ``python -m safe_zero
-doctor --json`` for what stock does (probes), and each fix's own tests (``tests/fixes/test_<fix
-module>.py``, which assert the stock error where the release has the defect and that safe_zero
-passes). Prints a Markdown table (release x fix -> stock, safe_zero) and writes it to
-``scripts/matrix.md`` for the README.
+For each release: a virtual environment with that DeepSpeed and safe_zero's core (torch pinned to
+the CPU build, no Lightning/Accelerate/Transformers, so their tests skip as in CI's legacy leg),
+``python -m safe_zero doctor --json`` for what stock does there (the probes run stock DeepSpeed),
+and one pytest session over ``tests/``. Each fix's own tests (``tests/fixes/test_<fix module>.py``)
+assert the stock error where the release has the defect and that safe_zero passes; the rest of
+the suite is reported as one column.
+
+Prints a Markdown table (release x fix -> stock, safe_zero), writes it to ``scripts/matrix.md``
+and into the README between the ``matrix`` markers. Exit status 1 if any test failed.
+
+    make matrix                                  # every release below
+    MATRIX_RELEASES="0.19.0 0.19.8" make matrix  # a subset
 """
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
+import time
+import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASES = os.environ.get("MATRIX_RELEASES", "0.18.0 0.18.9 0.19.0 0.19.6 0.19.7 0.19.8").split()
 TORCH_PIN = "torch==2.13.0"
+README_START, README_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+OTHER = "rest of the core suite"
 
 
 def _sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -39,11 +52,33 @@ def _venv(release: str) -> str | None:
     return python
 
 
-def _fix_modules() -> dict[str, str]:
-    """fix module stem -> its test file (tests mirror the package)."""
+def _fix_test_files() -> dict[str, str]:
+    """test file (relative) -> fix module stem; tests mirror the package."""
     stems = [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "safe_zero", "fixes", "*.py"))
              if not os.path.basename(p).startswith("_")]
-    return {s: f"tests/fixes/test_{s}.py" for s in sorted(stems) if os.path.exists(os.path.join(ROOT, "tests", "fixes", f"test_{s}.py"))}
+    return {f"tests/fixes/test_{s}.py": s for s in sorted(stems)
+            if os.path.exists(os.path.join(ROOT, "tests", "fixes", f"test_{s}.py"))}
+
+
+def _outcomes(junit: str) -> dict[str, collections.Counter]:
+    """test file -> Counter of passed / failed / xfailed / skipped, from pytest's JUnit XML."""
+    per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        parts = case.get("classname", "").split(".")  # tests.fixes.test_x[.TestClass]
+        module_end = next(i for i, part in enumerate(parts) if part.startswith("test_")) + 1
+        path = "/".join(parts[:module_end]) + ".py"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif (skipped := case.find("skipped")) is not None:
+            outcome = "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
+        else:
+            outcome = "passed"
+        per_file[path][outcome] += 1
+    return per_file
+
+
+def _counts(counter: collections.Counter) -> str:
+    return ", ".join(f"{counter[k]} {k}" for k in ("passed", "failed", "xfailed", "skipped") if counter[k]) or "none ran"
 
 
 def _row(release: str) -> dict[str, str]:
@@ -56,30 +91,61 @@ def _row(release: str) -> dict[str, str]:
     if doctor.returncode != 0:
         return {"*": "import failed: " + (doctor.stderr.strip().splitlines() or ["?"])[-1][:80]}
     fixes = json.loads(doctor.stdout[doctor.stdout.index("{"):])["fixes"]
-    cells = {}
-    for stem, test_file in _fix_modules().items():
-        module = _sh([python, "-c", f"import safe_zero.fixes.{stem} as m; print(m.FIX.name)"], env=env)
-        name = module.stdout.strip()
+    junit = os.path.join(os.path.dirname(os.path.dirname(python)), "junit.xml")
+    _sh([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "tests"], env=env)
+    if not os.path.exists(junit):
+        return {"*": "pytest did not run"}
+    per_file = _outcomes(junit)
+    os.remove(junit)
+    cells, other = {}, collections.Counter()
+    fix_files = _fix_test_files()
+    for path, counter in per_file.items():
+        if path not in fix_files:
+            other += counter
+    for path, stem in fix_files.items():
+        name = _sh([python, "-c", f"import safe_zero.fixes.{stem} as m; print(m.FIX.name)"], env=env).stdout.strip()
         probe = fixes.get(name, {})
-        stock = {True: "defect", False: "ok", None: "-"}[probe.get("defect_present")]
-        tests = _sh([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file], env=env)
-        summary = (re.findall(r"(\d+ passed.*|\d+ failed.*)", tests.stdout) or ["no result"])[-1]
-        safe = ("pass" if tests.returncode == 0 else "FAIL") + f" ({summary.split(' in ')[0]})"
-        cells[name] = f"stock: {stock}; fix {'on' if probe.get('engages') else 'off'}; tests {safe}"
+        stock = {True: "defect", False: "no defect", None: "not probed"}[probe.get("defect_present")]
+        switch = "on" if probe.get("engages") else "off"
+        cells[name] = f"{stock} / {switch}: {_counts(per_file.get(path, collections.Counter()))}"
+    cells[OTHER] = _counts(other)
     return cells
 
 
+def _write_readme(table: str) -> None:
+    path = os.path.join(ROOT, "README.md")
+    text = open(path).read()
+    if README_START in text and README_END in text:
+        head, rest = text.split(README_START, 1)
+        text = head + README_START + "\n" + table + "\n" + README_END + rest.split(README_END, 1)[1]
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def main() -> int:
-    rows = {release: _row(release) for release in RELEASES}
-    names = sorted({name for cells in rows.values() for name in cells if name != "*"})
-    lines = ["| DeepSpeed | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    started = time.time()
+    rows = {}
+    for release in RELEASES:
+        rows[release] = _row(release)
+        print(f"DeepSpeed {release}: {rows[release]}", flush=True)
+    names = sorted({name for cells in rows.values() for name in cells if name not in ("*", OTHER)}) + [OTHER]
+    lines = ["| DeepSpeed | " + " | ".join(f"`{n}`" if n != OTHER else n for n in names) + " |",
+             "|---" * (len(names) + 1) + "|"]
     for release, cells in rows.items():
         lines.append(f"| {release} | " + " | ".join(cells.get(n, cells.get("*", "-")) for n in names) + " |")
+    lines += ["", "Each fix cell: what stock DeepSpeed does (`safe_zero doctor` probe) / whether the fix is on "
+              "(`auto`) : that fix's tests, which assert the stock error where the release has the defect and "
+              "that safe_zero trains. Skipped tests need Lightning/Accelerate/Transformers (not installed here) "
+              "or another release.",
+              f"Last run: {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, torch 2.13.0 "
+              f"CPU build, CPU/gloo, {(time.time() - started) / 60:.0f} min."]
     table = "\n".join(lines)
     with open(os.path.join(ROOT, "scripts", "matrix.md"), "w") as f:
         f.write(table + "\n")
+    _write_readme(table)
     print(table)
-    return 0 if all("FAIL" not in c and "failed" not in c for cells in rows.values() for c in cells.values()) else 1
+    broken = re.compile(r"\d+ failed|install failed|import failed|did not run|none ran")
+    return 1 if any(broken.search(c) for cells in rows.values() for c in cells.values()) else 0
 
 
 if __name__ == "__main__":

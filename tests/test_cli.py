@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from safe_zero._compat import DEEPSPEED_VERSION
-from safe_zero.fixes import zero_element_groups
+from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,11 +35,14 @@ def test_doctor_probes_agree_with_the_declared_versions_and_reads_a_model():
     report = json.loads(result.stdout[result.stdout.index("{"):])
     assert report["versions"]["deepspeed"] == str(DEEPSPEED_VERSION)
     fixes = report["fixes"]
-    # Every release has these two; the probes must find them.
+    # Every release has these three; the probes must find them.
     assert fixes["zero3_zero_element_params"]["defect_present"] is True
     assert fixes["gradless_params"]["defect_present"] is True
-    needed = zero_element_groups.FIX.needed(DEEPSPEED_VERSION)
-    assert fixes["zero_element_groups"]["defect_present"] is needed
-    assert fixes["zero_element_groups"]["engages"] is needed
+    assert fixes["grouped_mm_alignment"]["defect_present"] is True
+    # These two are version-bound: the probe, the declared range and the switch must agree.
+    for fix in (zero_element_groups.FIX, flat_buffer_autograd.FIX):
+        needed = fix.needed(DEEPSPEED_VERSION)
+        assert fixes[fix.name]["defect_present"] is needed, fix.name
+        assert fixes[fix.name]["engages"] is needed, fix.name
     assert report["model"]["zero_sized"] == {"empty.weight": [0, 8]}
     assert report["model"]["gradless"] is None  # a plain factory model has no dummy inputs to probe with
