@@ -15,7 +15,6 @@ import json
 import os
 from typing import Any
 
-import torch
 from torch import nn
 
 PACKAGES = ("torch", "deepspeed", "lightning", "pytorch-lightning", "accelerate", "transformers")

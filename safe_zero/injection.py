@@ -69,6 +69,8 @@ BINDINGS: tuple[Binding, ...] = (
     Binding("deepspeed.runtime.zero.stage3", "DeepSpeedZeRoOffload", wrappers.SafeDeepSpeedZeRoOffload),
     Binding("deepspeed.runtime.zero.parameter_offload", "PartitionedParameterCoordinator",
             wrappers.SafePartitionedParameterCoordinator),
+    # Partitions a ZeRO-3 model that no zero.Init built; every later gather of its parameters runs on it.
+    Binding("deepspeed.runtime.zero.parameter_offload", "Init", wrappers.SafeZeroInit),
     # The pipeline engine tests `type(optimizer) == BF16_Optimizer`; an exact-type check needs the swap too.
     Binding("deepspeed.runtime.pipe.engine", "BF16_Optimizer", wrappers.SafeBF16_Optimizer),
     # ZeRO-3 weight quantizer, built in zero.Init's constructor and in quantize_nontrainable_params.

@@ -8,7 +8,9 @@ takes the same arguments and does the same, and in addition
 - keeps zero-element parameters out of every gather it issues (see
   :mod:`safe_zero.fixes.zero3_zero_element`), and
 - builds its weight quantizer (``zero_quantized_weights`` /
-  ``zero_quantized_nontrainable_weights``) with the empty-partition guard.
+  ``zero_quantized_nontrainable_weights``) with the empty-partition guard, and
+- completes every all-gather of a blocking coalesced gather before returning (see
+  :mod:`safe_zero.fixes.coalesced_gather_wait`).
 
 The fixes it applies follow the ``"safe_zero"`` block of the config passed as
 ``config_dict_or_path`` (or ``config``), like :func:`safe_zero.initialize`. ``safe_zero.install()``
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.zero import partition_parameters
 
+from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session, current_session, session_for, set_current_session
@@ -31,7 +34,7 @@ STOCK_INIT = partition_parameters.Init
 _STOCK_SIGNATURE = inspect.signature(STOCK_INIT.__init__)
 
 
-class Init(STOCK_INIT):
+class Init(WaitEveryCoalescedGather, STOCK_INIT):
     """Drop-in for ``deepspeed.zero.Init`` (same arguments, also usable as a context manager).
 
     Options come from the ``"safe_zero"`` block of ``config_dict_or_path``/``config``; without a

@@ -5,14 +5,14 @@
 
 from __future__ import annotations
 
-from safe_zero.fixes import (flat_buffer_autograd, gradless_params, grouped_mm_alignment, zero3_zero_element,
-                              zero_element_groups)
+from safe_zero.fixes import (coalesced_gather_wait, flat_buffer_autograd, gradless_params, grouped_mm_alignment,
+                              zero3_zero_element, zero_element_groups)
 from safe_zero.fixes._base import Fix
 
 FIXES: dict[str, Fix] = {
     module.FIX.name: module.FIX
     for module in (zero_element_groups, gradless_params, grouped_mm_alignment, zero3_zero_element,
-                   flat_buffer_autograd)
+                   flat_buffer_autograd, coalesced_gather_wait)
 }
 
 __all__ = ["FIXES", "Fix"]

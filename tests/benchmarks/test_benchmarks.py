@@ -8,10 +8,14 @@ and safe_zero's flat order puts every grouped_mm weight on the grid with no padd
 import pytest
 
 from benchmarks import bodies
+from safe_zero._compat import DEEPSPEED_VERSION
+from safe_zero.fixes import flat_buffer_autograd
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_paired_step_seconds_times_both_engines_per_step(ranks, stage):
+    if stage == 2 and flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
+        pytest.skip("stock ZeRO-2 cannot step at 2 gloo ranks on this DeepSpeed (flat_buffer_autograd): no baseline")
     per_rank = ranks.run(2, bodies.paired_step_seconds, stage=stage, pairs=3, warmup=1)
     assert len(per_rank) == 2
     for pairs in per_rank:
