@@ -18,16 +18,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from safe_zero.lightning._common import SAFE_PREFIX, PrecisionFallbackWarning, SafeLightningError
-
 _LAZY = {
     "SafeDeepSpeedStrategy": "safe_zero.lightning.pytorch",
     "SafeFabricDeepSpeedStrategy": "safe_zero.lightning.fabric",
+    "SAFE_PREFIX": "safe_zero.lightning._common",
+    "PrecisionFallbackWarning": "safe_zero.lightning._common",
+    "SafeLightningError": "safe_zero.lightning._common",
 }
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `import safe_zero` (which imports this package) does not import Lightning.
+    # Lazy, so that `import safe_zero` (which imports this package for the registration hook) imports
+    # neither Lightning nor the strategy helpers.
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,6 +30,9 @@ TARGETS: dict[str, tuple[str, str, str]] = {
 def register(strategies_package: str) -> None:
     """Register the ``safe_`` names in the registry of one of :data:`TARGETS`' (imported) packages. Idempotent."""
     module_name, class_name, registry_name = TARGETS[strategies_package]
+    ours = sys.modules.get(module_name)
+    if ours is not None and not hasattr(ours, class_name):
+        return  # our module is mid-import (importing Lightning brought us here): it registers itself at its end
     strategy = getattr(importlib.import_module(module_name), class_name)
     strategy.register_strategies(getattr(sys.modules[strategies_package], registry_name))
 

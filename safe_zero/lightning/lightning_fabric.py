@@ -4,6 +4,7 @@ from lightning_fabric.strategies import DeepSpeedStrategy
 
 from safe_zero.lightning._common import FABRIC_INITIALIZE_METHODS, FabricStrategyMixin, check_lightning_fits, \
     compose_docstring
+from safe_zero.lightning._registration import register
 
 check_lightning_fits(DeepSpeedStrategy, FABRIC_INITIALIZE_METHODS)
 
@@ -17,3 +18,6 @@ SafeFabricDeepSpeedStrategy.__doc__ = compose_docstring(
     example='``lightning_fabric.Fabric(strategy="safe_deepspeed_stage_3")``',
     instance="Fabric(strategy=SafeFabricDeepSpeedStrategy(stage=3))",
     path="safe_zero.lightning.lightning_fabric.SafeFabricDeepSpeedStrategy")
+
+# Importing lightning_fabric.strategies first may have run the registration hook before this class existed.
+register("lightning_fabric.strategies")

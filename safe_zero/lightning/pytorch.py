@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from safe_zero.lightning._common import TRAINER_INITIALIZE_METHODS, TrainerStrategyMixin, check_lightning_fits, \
     compose_docstring
+from safe_zero.lightning._registration import register
 
 check_lightning_fits(DeepSpeedStrategy, TRAINER_INITIALIZE_METHODS)
 
@@ -18,3 +19,6 @@ SafeDeepSpeedStrategy.__doc__ = compose_docstring(
     example='``Trainer(strategy="safe_deepspeed_stage_3")``',
     instance="Trainer(strategy=SafeDeepSpeedStrategy(stage=3))",
     path="safe_zero.lightning.SafeDeepSpeedStrategy")
+
+# Importing lightning.pytorch.strategies first may have run the registration hook before this class existed.
+register("lightning.pytorch.strategies")

@@ -270,3 +270,24 @@ def test_every_constructor_option_is_documented_on_the_class():
         for topic in ("safe_zero.initialize", '"safe_zero"', "DS_ACCELERATOR=cpu", "16-mixed", "bf16-mixed",
                       "16-true", "safe_deepspeed_stage_3"):
             assert topic in doc, f"{ours.__qualname__} does not document {topic}"
+
+
+IMPORT_ORDER_PROBE = """
+from safe_zero.lightning import SafeDeepSpeedStrategy, SafeFabricDeepSpeedStrategy  # before Lightning itself
+from safe_zero.lightning.pytorch_lightning import SafeDeepSpeedStrategy as Standalone
+import lightning.pytorch, lightning.fabric, pytorch_lightning
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+print("PROBE", StrategyRegistry["safe_deepspeed_stage_3"]["strategy"] is SafeDeepSpeedStrategy,
+      STRATEGY_REGISTRY["safe_deepspeed_stage_3"]["strategy"] is SafeFabricDeepSpeedStrategy,
+      StandaloneRegistry["safe_deepspeed_stage_3"]["strategy"] is Standalone)
+"""
+
+
+def test_strategy_classes_import_before_lightning():
+    # Importing our class first imports Lightning, whose import hook registers our names: the class is
+    # still being defined then (seen: "partially initialized module ... has no attribute").
+    code, out = _run_script(["-c", IMPORT_ORDER_PROBE], timeout=300)
+    assert code == 0, out[-4000:]
+    assert "PROBE True True True" in out, out[-4000:]
