@@ -50,36 +50,66 @@ def _engine(model: nn.Module, stage: int, safe: bool) -> Any:
     return engine
 
 
-def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3) -> list[tuple[float, float]]:
-    """``(stock, safe_zero)`` seconds of ``pairs`` training steps of ``Wide``, taken alternately on two engines.
+def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tuple[bool, bool] = (False, True),
+                        b_built_first: bool = False) -> list[tuple[float, float]]:
+    """``(a, b)`` seconds of ``pairs`` training steps of ``Wide``, taken alternately on two engines.
 
-    Both engines live in this process from the same seed, so a pair shares the machine's state at
-    that moment; which engine steps first alternates so neither gets the warmer caches.
+    ``safe`` says which of engines a and b run safe_zero: ``(False, True)`` compares stock with
+    safe_zero, ``(False, False)`` is the A/A control that shows the harness's noise. Both engines
+    live in this process from the same seed, so a pair shares the machine's state at that moment;
+    which engine steps first alternates so neither gets the warmer caches. Which one is built
+    first (and so where its buffers land) is the caller's choice: run both.
     """
     import torch.distributed as dist
 
     engines = {}
-    for safe in (False, True):
+    for which in ("b", "a") if b_built_first else ("a", "b"):
         torch.manual_seed(0)
-        engines[safe] = _engine(Wide(), stage, safe)
+        engines[which] = _engine(Wide(), stage, safe["ab".index(which)])
     x = torch.randn(8, 256).to(torch.bfloat16)
 
-    def timed_step(safe: bool) -> float:
+    def timed_step(which: str) -> float:
         dist.barrier()
         start = time.perf_counter()
-        loss = engines[safe](x)
-        engines[safe].backward(loss)
-        engines[safe].step()
+        loss = engines[which](x)
+        engines[which].backward(loss)
+        engines[which].step()
         return time.perf_counter() - start
 
     for _ in range(warmup):
-        for safe in (False, True):
-            timed_step(safe)
+        for which in "ab":
+            timed_step(which)
     times = []
     for i in range(pairs):
-        got = {safe: timed_step(safe) for safe in ((False, True) if i % 2 == 0 else (True, False))}
-        times.append((got[False], got[True]))
+        got = {which: timed_step(which) for which in ("ab" if i % 2 == 0 else "ba")}
+        times.append((got["a"], got["b"]))
     return times
+
+
+def safe_zero_share(stage: int, steps: int = 30, warmup: int = 3) -> dict[str, float]:
+    """Under cProfile, the share of a safe_zero step spent in safe_zero's own functions, and their calls per step.
+
+    An upper bound on what safe_zero's Python adds (the profiler inflates Python calls, not kernels),
+    and a count that does not depend on the machine's load.
+    """
+    import cProfile
+    import pstats
+
+    torch.manual_seed(0)
+    engine = _engine(Wide(), stage, True)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    for i in range(warmup + steps):
+        if i == warmup:
+            profile = cProfile.Profile()
+            profile.enable()
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    ours = [v for k, v in stats.items() if "/safe_zero/" in k[0]]
+    return {"share": sum(v[2] for v in ours) / sum(v[2] for v in stats.values()),
+            "calls_per_step": sum(v[1] for v in ours) / steps}
 
 
 def all_gathers_per_step(k: int, steps: int = 3) -> list[int]:

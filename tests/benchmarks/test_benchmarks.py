@@ -16,7 +16,7 @@ from safe_zero.fixes import flat_buffer_autograd
 def test_paired_step_seconds_times_both_engines_per_step(ranks, stage):
     if stage == 2 and flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
         pytest.skip("stock ZeRO-2 cannot step at 2 gloo ranks on this DeepSpeed (flat_buffer_autograd): no baseline")
-    per_rank = ranks.run(2, bodies.paired_step_seconds, stage=stage, pairs=3, warmup=1)
+    per_rank = ranks.run(2, bodies.paired_step_seconds, stage=stage, pairs=3, warmup=1, b_built_first=True)
     assert len(per_rank) == 2
     for pairs in per_rank:
         assert len(pairs) == 3
