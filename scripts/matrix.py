@@ -12,6 +12,9 @@ and into the README between the ``matrix`` markers. Exit status 1 if any test fa
 
     make matrix                                  # every release below
     MATRIX_RELEASES="0.19.0 0.19.8" make matrix  # a subset
+    MATRIX_REUSE=1 make matrix                   # keep the rows already measured at this commit
+
+Each release's row is kept in ``.venv-matrix/ds-<release>/row.json`` with the commit it ran at.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def _outcomes(junit: str) -> dict[str, collections.Counter]:
     """test file -> Counter of passed / failed / xfailed / skipped, from pytest's JUnit XML."""
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for case in ET.parse(junit).getroot().iter("testcase"):
-        parts = case.get("classname", "").split(".")  # tests.fixes.test_x[.TestClass]
+        # tests.fixes.test_x[.TestClass]; a module skipped at collection has no classname, its name is the module.
+        parts = (case.get("classname") or case.get("name", "")).split(".")
         module_end = next(i for i, part in enumerate(parts) if part.startswith("test_")) + 1
         path = "/".join(parts[:module_end]) + ".py"
         if case.find("failure") is not None or case.find("error") is not None:
@@ -79,6 +83,27 @@ def _outcomes(junit: str) -> dict[str, collections.Counter]:
 
 def _counts(counter: collections.Counter) -> str:
     return ", ".join(f"{counter[k]} {k}" for k in ("passed", "failed", "xfailed", "skipped") if counter[k]) or "none ran"
+
+
+def _commit() -> str:
+    head = _sh(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+    dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
+def _kept_row(release: str) -> dict[str, str]:
+    """This release's row: reused if ``MATRIX_REUSE`` is set and it was measured at this commit, else run."""
+    path = os.path.join(ROOT, ".venv-matrix", f"ds-{release}", "row.json")
+    commit = _commit()
+    if os.environ.get("MATRIX_REUSE") and os.path.exists(path):
+        kept = json.load(open(path))
+        if kept["commit"] == commit and "+changes" not in commit:
+            return kept["cells"]
+    cells = _row(release)
+    if os.path.isdir(os.path.dirname(path)):
+        with open(path, "w") as f:
+            json.dump({"commit": commit, "cells": cells}, f)
+    return cells
 
 
 def _row(release: str) -> dict[str, str]:
@@ -126,7 +151,7 @@ def main() -> int:
     started = time.time()
     rows = {}
     for release in RELEASES:
-        rows[release] = _row(release)
+        rows[release] = _kept_row(release)
         print(f"DeepSpeed {release}: {rows[release]}", flush=True)
     names = sorted({name for cells in rows.values() for name in cells if name not in ("*", OTHER)}) + [OTHER]
     lines = ["| DeepSpeed | " + " | ".join(f"`{n}`" if n != OTHER else n for n in names) + " |",
@@ -137,8 +162,8 @@ def main() -> int:
               "(`auto`) : that fix's tests, which assert the stock error where the release has the defect and "
               "that safe_zero trains. Skipped tests need Lightning/Accelerate/Transformers (not installed here) "
               "or another release.",
-              f"Last run: {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, torch 2.13.0 "
-              f"CPU build, CPU/gloo, {(time.time() - started) / 60:.0f} min."]
+              f"Last run: {time.strftime('%Y-%m-%d')} at commit {_commit()}, {platform.machine()}, {os.cpu_count()} "
+              f"CPUs, torch 2.13.0 CPU build, CPU/gloo, {(time.time() - started) / 60:.0f} min."]
     table = "\n".join(lines)
     with open(os.path.join(ROOT, "scripts", "matrix.md"), "w") as f:
         f.write(table + "\n")
