@@ -8,6 +8,9 @@ They need an initialized process group: :func:`init_single_process` sets up one 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import glob
 import os
 import socket
 from typing import Any, Callable
@@ -60,6 +63,21 @@ class _ExpertsAfterOddParam(nn.Module):
         return (x @ self.experts[0]).sum() * self.scale.sum()
 
 
+def deepspeed_shm_segments(port: int | str = "*") -> set[str]:
+    """The /dev/shm workspaces of DeepSpeed's CPU comm op for the group on ``port`` ("*": all of this user's).
+
+    The op creates one ~66 MB segment per rank and never unlinks it (its ``shared_close`` has no
+    caller): each CPU process group leaves them behind until reboot.
+    """
+    return set(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def release_shm(paths: set[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def init_single_process() -> None:
     """One CPU rank with gloo, unless a launcher already set up the process group."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -67,6 +85,8 @@ def init_single_process() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        # This process owns the group, so it owns the shm workspace DeepSpeed will leave behind.
+        atexit.register(lambda port=os.environ["MASTER_PORT"]: release_shm(deepspeed_shm_segments(port)))
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     import deepspeed

@@ -147,12 +147,7 @@ def _write_readme(table: str) -> None:
             f.write(text)
 
 
-def main() -> int:
-    started = time.time()
-    rows = {}
-    for release in RELEASES:
-        rows[release] = _kept_row(release)
-        print(f"DeepSpeed {release}: {rows[release]}", flush=True)
+def _table(rows: dict[str, dict[str, str]], minutes: float) -> str:
     names = sorted({name for cells in rows.values() for name in cells if name not in ("*", OTHER)}) + [OTHER]
     lines = ["| DeepSpeed | " + " | ".join(f"`{n}`" if n != OTHER else n for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
@@ -161,13 +156,23 @@ def main() -> int:
     lines += ["", "Each fix cell: what stock DeepSpeed does (`safe_zero doctor` probe) / whether the fix is on "
               "(`auto`) : that fix's tests, which assert the stock error where the release has the defect and "
               "that safe_zero trains. Skipped tests need Lightning/Accelerate/Transformers (not installed here) "
-              "or another release.",
+              "or a route this release does not have.",
               f"Last run: {time.strftime('%Y-%m-%d')} at commit {_commit()}, {platform.machine()}, {os.cpu_count()} "
-              f"CPUs, torch 2.13.0 CPU build, CPU/gloo, {(time.time() - started) / 60:.0f} min."]
-    table = "\n".join(lines)
-    with open(os.path.join(ROOT, "scripts", "matrix.md"), "w") as f:
-        f.write(table + "\n")
-    _write_readme(table)
+              f"CPUs, torch 2.13.0 CPU build, CPU/gloo, {minutes:.0f} min."]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    started = time.time()
+    rows: dict[str, dict[str, str]] = {}
+    for release in RELEASES:
+        rows[release] = _kept_row(release)
+        print(f"DeepSpeed {release}: {rows[release]}", flush=True)
+        # Written after every release, so an interrupted run still leaves what it measured.
+        table = _table(rows, (time.time() - started) / 60)
+        with open(os.path.join(ROOT, "scripts", "matrix.md"), "w") as f:
+            f.write(table + "\n")
+        _write_readme(table)
     print(table)
     broken = re.compile(r"\d+ failed|install failed|import failed|did not run|none ran")
     return 1 if any(broken.search(c) for cells in rows.values() for c in cells.values()) else 0

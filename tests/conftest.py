@@ -8,7 +8,10 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 
 import pytest  # noqa: E402
 
+from safe_zero.probes import deepspeed_shm_segments, release_shm  # noqa: E402
 from tests.rig import Pools  # noqa: E402
+
+_SHM_BEFORE: set[str] = set()
 
 
 @pytest.fixture(scope="session")
@@ -20,8 +23,14 @@ def ranks():
 
 
 def pytest_sessionstart(session):
+    _SHM_BEFORE.update(deepspeed_shm_segments())
     # Build DeepSpeed's CPU comm op once, here, before any test spawns ranks: two ranks racing to
     # JIT-build it in a cold venv can outlast the pool's start timeout and leave a stale build lock.
     from deepspeed.comm.torch import build_shm_op
 
     build_shm_op()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Scripts the tests launch (Lightning, accelerate launch, examples) leave DeepSpeed's shm workspaces too.
+    release_shm(deepspeed_shm_segments() - _SHM_BEFORE)

@@ -21,6 +21,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from safe_zero.probes import deepspeed_shm_segments, release_shm
+
 
 @dataclass
 class RankError:
@@ -83,7 +85,7 @@ class DistPool:
     def __init__(self, world_size: int, start_timeout: float = 300.0):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = self._port = _free_port()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
@@ -141,6 +143,7 @@ class DistPool:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
+        release_shm(deepspeed_shm_segments(self._port))
 
 
 class Pools:

@@ -27,3 +27,16 @@ def test_two_ranks_share_a_gloo_group(ranks):
 def test_a_failing_rank_is_reported_with_its_error(ranks):
     with pytest.raises(RankFailure, match="rank 1: ValueError: boom on rank 1"):
         ranks.run(2, _raise_on_rank_one)
+
+
+def test_closing_a_pool_releases_the_shm_workspaces_deepspeed_leaves():
+    from safe_zero.probes import deepspeed_shm_segments
+    from tests.rig import DistPool
+
+    pool = DistPool(2)
+    try:
+        # DeepSpeed's CPU comm op made one ~66 MB /dev/shm segment per rank and will never unlink them.
+        assert len(deepspeed_shm_segments(pool._port)) == 2
+    finally:
+        pool.close()
+    assert deepspeed_shm_segments(pool._port) == set()
