@@ -30,6 +30,8 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+from packaging.version import Version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASES = os.environ.get("MATRIX_RELEASES", "0.18.0 0.18.9 0.19.0 0.19.6 0.19.7 0.19.8").split()
 TORCH_PIN = "torch==2.13.0"
@@ -87,7 +89,9 @@ def _counts(counter: collections.Counter) -> str:
 
 def _commit() -> str:
     head = _sh(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
-    dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+    # The files this script writes do not count as changes to what it measured.
+    dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!README.md",
+                 ":!scripts/matrix.md"]).stdout.strip()
     return head + ("+changes" if dirty else "")
 
 
@@ -151,7 +155,7 @@ def _table(rows: dict[str, dict[str, str]], minutes: float) -> str:
     names = sorted({name for cells in rows.values() for name in cells if name not in ("*", OTHER)}) + [OTHER]
     lines = ["| DeepSpeed | " + " | ".join(f"`{n}`" if n != OTHER else n for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
-    for release, cells in rows.items():
+    for release, cells in sorted(rows.items(), key=lambda item: Version(item[0])):
         lines.append(f"| {release} | " + " | ".join(cells.get(n, cells.get("*", "-")) for n in names) + " |")
     lines += ["", "Each fix cell: what stock DeepSpeed does (`safe_zero doctor` probe) / whether the fix is on "
               "(`auto`) : that fix's tests, which assert the stock error where the release has the defect and "
