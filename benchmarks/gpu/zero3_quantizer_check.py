@@ -18,23 +18,13 @@ Checks:
 
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29517")
-for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-    os.environ.setdefault(key, value)
+from benchmarks.gpu._report import RESULTS, check, single_rank_env
+
+single_rank_env(29517)
 
 import torch  # noqa: E402
-
-RESULTS: dict[str, bool] = {}
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    RESULTS[name] = ok
-    print(f"RESULT {'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
-
 
 def _dequantize(quantizer, q, scale, dtype):
     try:  # DeepSpeed >= 0.19.8 takes the output dtype; older releases return the kernel's fp16
