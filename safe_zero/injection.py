@@ -185,13 +185,8 @@ def verify_engine(engine: Any) -> None:
 def _log_report(session: Session) -> None:
     from deepspeed.utils import log_dist
 
-    from safe_zero.fixes import FIXES
-
-    on = [name for name, fix in FIXES.items() if session.uses(fix)]
-    acted = ", ".join(f"{name} ({'; '.join(what)})" for name, what in session.report.items()) or "none yet"
     # WARNING, not INFO: DeepSpeed and HF Trainer raise DeepSpeed's log level, and a forgotten opt-in must show.
-    log_dist(f"safe_zero: fixes on for DeepSpeed {deepspeed.__version__}: {', '.join(on) or 'none'}; "
-             f"engaged at initialize: {acted}", ranks=[0], level=logging.WARNING)
+    log_dist(f"safe_zero: {session.describe()}", ranks=[0], level=logging.WARNING)
 
 
 def initialize(*args: Any, **kwargs: Any) -> tuple:

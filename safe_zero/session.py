@@ -8,15 +8,12 @@ constructor and keeps it, because its hooks run long after ``initialize`` has re
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes._base import Fix
 from safe_zero.options import SafeZeroOptions
-
-log = logging.getLogger("safe_zero")
 
 
 @dataclass
@@ -25,11 +22,14 @@ class Session:
 
     Attributes:
         options: the validated ``"safe_zero"`` config block.
-        report: fix name -> what it did in this run (only fixes that acted appear).
+        report: fix name -> what it did in this run, each kind of event once, in the order first seen
+            (only fixes that acted appear). Hooks that act every step add nothing after the first time.
+        counts: fix name -> event -> how many times it happened (the repeats ``report`` leaves out).
     """
 
     options: SafeZeroOptions = field(default_factory=SafeZeroOptions)
     report: dict[str, list[str]] = field(default_factory=dict)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
     _uses: dict[str, bool] = field(default_factory=dict, repr=False)
 
     def uses(self, fix: Fix) -> bool:
@@ -42,8 +42,29 @@ class Session:
         return on
 
     def engaged(self, fix: Fix, what: str) -> None:
-        """Record that ``fix`` acted; the report is logged once initialize returns."""
-        self.report.setdefault(fix.name, []).append(what)
+        """Record that ``fix`` acted: a new kind of event joins the report, a repeat only counts.
+
+        The report is logged once initialize returns; hooks record from then on for every step, so the
+        report's size is bounded by the kinds of events, not by the length of the run.
+        """
+        counts = self.counts.setdefault(fix.name, {})
+        seen = counts.get(what, 0)
+        counts[what] = seen + 1
+        if not seen:
+            self.report.setdefault(fix.name, []).append(what)
+
+    def describe(self) -> str:
+        """One line: which fixes are on, and what they did so far (repeats counted)."""
+        from safe_zero.fixes import FIXES  # the fixes import this module
+
+        on = [name for name, fix in FIXES.items() if self.uses(fix)]
+        acted = ", ".join(f"{name} ({'; '.join(self._counted(name, what) for what in events)})"
+                          for name, events in self.report.items())
+        return f"fixes on for DeepSpeed {DEEPSPEED_VERSION}: {', '.join(on) or 'none'}; engaged: {acted or 'none yet'}"
+
+    def _counted(self, name: str, what: str) -> str:
+        times = self.counts[name][what]
+        return f"{what} (x{times})" if times > 1 else what
 
 
 _current: Session | None = None

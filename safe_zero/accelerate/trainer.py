@@ -78,13 +78,5 @@ class SafeZeroCallback(TrainerCallback):
             verify_engine(SimpleNamespace(optimizer=getattr(optimizer, "optimizer", optimizer)))
             return
         if state.is_world_process_zero:
-            log.warning("safe_zero: Trainer's DeepSpeed engine built by safe_zero; %s", describe(session))
+            log.warning("safe_zero: Trainer's DeepSpeed engine built by safe_zero; %s", session.describe())
 
-
-def describe(session: Any) -> str:
-    """One line: the fixes a session has on, and what they did at initialize."""
-    from safe_zero.fixes import FIXES
-
-    on = [name for name, fix in FIXES.items() if session.uses(fix)]
-    acted = ", ".join(f"{name} ({'; '.join(what)})" for name, what in session.report.items()) or "none yet"
-    return f"fixes on: {', '.join(on) or 'none'}; engaged at initialize: {acted}"
