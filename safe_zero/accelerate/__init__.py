@@ -18,7 +18,6 @@ This package holds no fix: grouped_mm alignment and every fix are decided inside
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from safe_zero.accelerate.plugin import SafeDeepSpeedPlugin
@@ -32,14 +31,8 @@ from safe_zero.accelerate.routing import (
     session_of,
     uninstall_on_request,
 )
-from safe_zero.injection import InjectionError
 
-try:
-    install_on_request()
-except InjectionError as e:
-    # Importing must not fail for code that only uses the plugin or the callback: those raise
-    # this again when they need the routing. A script relying on the import alone is told here.
-    warnings.warn(f"safe_zero.accelerate: {e}", RuntimeWarning, stacklevel=2)
+install_on_request()
 
 __all__ = [
     "SafeDeepSpeedPlugin",

@@ -3,8 +3,11 @@
 Accelerate (and HF Trainer through it) reads ``deepspeed.initialize`` at call time, at the top
 of ``Accelerator._prepare_deepspeed``, before any plugin method sees the model. So the hook
 is a dispatcher bound to ``deepspeed.initialize``: a call whose DeepSpeed config carries a
-top-level ``"safe_zero"`` block goes through safe_zero; every other call goes to the stock
-function with the same arguments, so it is exactly stock.
+top-level ``"safe_zero"`` block goes through safe_zero; every other call goes to the function
+that was bound before with the same arguments, so it is exactly what it was without safe_zero.
+A wrapper someone else put there first (a profiler, a test mock) is called either way; on the
+safe_zero route DeepSpeed's own ``initialize`` below it runs with safe_zero's classes
+(:func:`safe_zero.chaining.initialize_through`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any, Mapping
 
 import deepspeed
 
-from safe_zero import injection
+from safe_zero import chaining, injection
 from safe_zero._compat import SafeZeroError
 from safe_zero.injection import InjectionError, _LOCK, _STOCK_INITIALIZE, _STOCK_SIGNATURE, resolve_config
 from safe_zero.options import CONFIG_KEY, SafeZeroOptions
@@ -67,13 +70,18 @@ def session_of(module: Any) -> Session | None:
     return _SESSIONS.get(module)
 
 
+#: What ``deepspeed.initialize`` was when the dispatcher was bound: DeepSpeed's own, or someone's wrapper.
+_outer: Any = _STOCK_INITIALIZE
+
+
 def _routed_initialize(*args: Any, **kwargs: Any) -> tuple:
+    outer = _outer
     config = resolve_config(_STOCK_SIGNATURE.bind(*args, **kwargs).arguments)
     if not requests_safe_zero(config):
         _warn_stock_once()
-        return _STOCK_INITIALIZE(*args, **kwargs)
+        return outer(*args, **kwargs)
     check_world_size()
-    result = injection.initialize(*args, **kwargs)
+    result = chaining.initialize_through(outer, *args, **kwargs)
     engine = result[0]
     _SESSIONS[engine.module] = engine.safe_zero_session
     return result
@@ -81,36 +89,39 @@ def _routed_initialize(*args: Any, **kwargs: Any) -> tuple:
 
 _routed_initialize.__signature__ = _STOCK_SIGNATURE  # type: ignore[attr-defined]
 _routed_initialize.__doc__ = "deepspeed.initialize, routed through safe_zero when the config has a safe_zero block."
+chaining.register_route(_routed_initialize)
 
 
 def install_on_request() -> None:
     """Bind the dispatcher to ``deepspeed.initialize``: configs with a ``"safe_zero"`` block go through safe_zero.
 
-    Idempotent. Leaves ``safe_zero.install()`` (which routes every call) in place. Raises
-    :class:`safe_zero.InjectionError` if something else has replaced ``deepspeed.initialize``,
-    since routing around it would silently drop one of the two.
+    Idempotent. Leaves ``safe_zero.install()`` (which routes every call) in place. A function
+    someone else bound to ``deepspeed.initialize`` before stays in the chain: the dispatcher calls it,
+    and :func:`uninstall_on_request` puts it back.
     """
+    global _outer
     with _LOCK:
         current = deepspeed.initialize
-        if current is _routed_initialize or injection.is_installed():
+        if chaining.routes_through_safe_zero(current):
             return
-        if current is not _STOCK_INITIALIZE:
-            raise InjectionError(
-                f"deepspeed.initialize has been replaced by {current!r}; safe_zero cannot route Accelerate "
-                "through it. Remove that replacement, or call safe_zero.install() to route every call.")
+        _outer = current
         deepspeed.initialize = _routed_initialize
 
 
 def uninstall_on_request() -> None:
-    """Unbind the dispatcher, restoring the stock ``deepspeed.initialize``. Idempotent."""
+    """Unbind the dispatcher, restoring what ``deepspeed.initialize`` was before it. Idempotent."""
+    global _outer
     with _LOCK:
         if deepspeed.initialize is _routed_initialize:
-            deepspeed.initialize = _STOCK_INITIALIZE
+            deepspeed.initialize, _outer = _outer, _STOCK_INITIALIZE
 
 
 def is_routed() -> bool:
-    """Whether a ``deepspeed.initialize`` call that asks for safe_zero goes through it right now."""
-    return deepspeed.initialize is _routed_initialize or injection.is_installed()
+    """Whether a ``deepspeed.initialize`` call that asks for safe_zero goes through it right now.
+
+    Also true for a ``functools.wraps`` wrapper someone put around safe_zero's routing afterwards.
+    """
+    return chaining.routes_through_safe_zero(deepspeed.initialize)
 
 
 def check_routed(where: str) -> None:

@@ -3,8 +3,9 @@
 After ``import safe_zero``, every DeepSpeed strategy name Lightning registers has a ``safe_`` twin
 with the same meaning (``safe_deepspeed``, ``safe_deepspeed_stage_1``, ``safe_deepspeed_stage_2``,
 ``safe_deepspeed_stage_2_offload``, ``safe_deepspeed_stage_3``, ``safe_deepspeed_stage_3_offload``,
-``safe_deepspeed_stage_3_offload_nvme``), in the registries of ``lightning.pytorch``,
-``lightning.fabric`` and, when installed, standalone ``pytorch_lightning`` and ``lightning_fabric``.
+``safe_deepspeed_stage_3_offload_nvme``, and for Fabric also ``safe_deepspeed_stage_1_offload``), in
+the registries of ``lightning.pytorch``, ``lightning.fabric`` and, when installed, standalone
+``pytorch_lightning`` and ``lightning_fabric``.
 
 Classes (importing them imports Lightning):
     SafeDeepSpeedStrategy         ``lightning.pytorch``'s ``DeepSpeedStrategy`` through safe_zero.

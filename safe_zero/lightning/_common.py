@@ -73,13 +73,20 @@ class _SafeStrategyBase:
     _lightning_strategy: type  # Lightning's DeepSpeedStrategy of the same class tree
 
     def _runs_on_cpu(self) -> bool:
-        return self.root_device.type == "cpu"
+        if self.parallel_devices:
+            return self.root_device.type == "cpu"
+        # Before the Trainer/Fabric hands the strategy its devices, only the accelerator tells.
+        return any(base.__name__ == "CPUAccelerator" for base in type(self.accelerator).__mro__)
 
     # routing ------------------------------------------------------------------------------------------------------
 
     def _safe_initialize(self, *args: Any, **kwargs: Any) -> tuple:
-        """``deepspeed.initialize`` as Lightning calls it, given CPU's device rank and the ``safe_zero`` block."""
-        import safe_zero
+        """``deepspeed.initialize`` as Lightning calls it, given CPU's device rank and the ``safe_zero`` block.
+
+        Goes through safe_zero by way of whatever was bound to ``deepspeed.initialize`` before (a
+        profiler's or a test's wrapper is called, with safe_zero's classes injected).
+        """
+        from safe_zero import chaining
 
         namespace = kwargs.get("args")
         if isinstance(namespace, argparse.Namespace) and getattr(namespace, "device_rank", 0) is None:
@@ -91,7 +98,7 @@ class _SafeStrategyBase:
         if block is not None and isinstance(config, dict) and CONFIG_KEY not in config:
             # Lightning's inference path builds a fresh config; keep the user's safe_zero options in it.
             kwargs["config"] = {**config, CONFIG_KEY: block}
-        return safe_zero.initialize(*args, **kwargs)
+        return chaining.initialize_through(self._safe_zero_outer_initialize, *args, **kwargs)
 
     @contextlib.contextmanager
     def _routed_initialize(self) -> Iterator[None]:
@@ -103,12 +110,13 @@ class _SafeStrategyBase:
         # Lightning reads deepspeed.initialize at call time. safe_zero's injection lock keeps another thread's
         # initialize from running while the name is rebound.
         with _LOCK:
-            stock = deepspeed.initialize
+            outer = self._safe_zero_outer_initialize = deepspeed.initialize
             deepspeed.initialize = self._safe_initialize
             try:
                 yield
             finally:
-                deepspeed.initialize = stock
+                deepspeed.initialize = outer
+                del self._safe_zero_outer_initialize
 
     # CPU ----------------------------------------------------------------------------------------------------------
 
@@ -152,6 +160,12 @@ class _SafeStrategyBase:
             self.parallel_devices = devices
 
     def _setup_environment_without_cuda_check(self) -> None:
+        if not self.parallel_devices:
+            # Lightning's own strategy would fail an `assert` further down, in the distributed set-up.
+            raise SafeLightningError(
+                f"{type(self).__name__}.setup_environment() needs the strategy's devices, and none are set. The "
+                "Trainer/Fabric set them from devices=...; a strategy used on its own needs "
+                "parallel_devices=[torch.device('cpu')] * number_of_processes.")
         # Lightning's DeepSpeedStrategy.setup_environment only refuses non-CUDA accelerators, then defers upward.
         super(self._lightning_strategy, self).setup_environment()  # type: ignore[misc]
 
@@ -159,16 +173,21 @@ class _SafeStrategyBase:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register a ``safe_`` twin of every name Lightning registered for its DeepSpeedStrategy. Idempotent.
+        """Register a ``safe_`` twin of every name Lightning registers for its DeepSpeedStrategy. Idempotent.
 
         Each twin copies the description and init params of Lightning's own entry, so
         ``safe_deepspeed_stage_3`` means exactly what ``deepspeed_stage_3`` means, through safe_zero.
+        The names are those Lightning's ``register_strategies`` registers (also into a fresh registry)
+        and any other name ``strategy_registry`` already maps to Lightning's class.
         """
-        for name, entry in list(strategy_registry.items()):
+        lightning_names = type(strategy_registry)()
+        cls._lightning_strategy.register_strategies(lightning_names)
+        # dict's own items(): the registry's get() instantiates the strategy.
+        entries = {**dict(dict.items(lightning_names)), **dict(dict.items(strategy_registry))}
+        for name, entry in entries.items():
             if entry["strategy"] is not cls._lightning_strategy:
                 continue
             twin = SAFE_PREFIX + name
-            # dict.get: the registry's own get() instantiates the strategy.
             if (dict.get(strategy_registry, twin) or {}).get("strategy") is cls:
                 continue
             strategy_registry.register(

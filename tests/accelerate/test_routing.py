@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from tests.models import Gradless, build, ds_config, train  # noqa: E402
+from tests.models import Control, Gradless, build, ds_config, train  # noqa: E402
 
 
 def _route(stage: int, world_size: int) -> dict:
@@ -72,3 +72,39 @@ def test_a_cpu_world_size_mismatch_stops_before_deepspeed_and_says_what_to_pass(
     for message in ranks.run(2, _accelerate_counts_one_process):
         assert message.startswith("Accelerate counts 1 process(es) but the DeepSpeed process group has 2"), message
         assert "safe_zero.accelerate.cpu_distributed_state()" in message and 'PartialState(backend="gloo")' in message
+
+
+def _through_a_profiler() -> dict:
+    import deepspeed
+
+    from safe_zero.accelerate import routing
+
+    stock = deepspeed.initialize
+    calls = []
+
+    def profiler(*args, **kwargs):  # bound before safe_zero's routing, as a profiler or tracer would be
+        calls.append(kwargs["config"].get("safe_zero"))
+        return stock(*args, **kwargs)
+
+    deepspeed.initialize = profiler
+    try:
+        routing.install_on_request()
+        engine, *_ = deepspeed.initialize(model=build(Gradless), config={**ds_config(2), "safe_zero": {}})
+        safe = {"optimizer": type(engine.optimizer).__name__, "losses": train(engine, 2),
+                "session": routing.session_of(engine.module) is engine.safe_zero_session}
+        engine, *_ = deepspeed.initialize(model=build(Control), config=ds_config(2))
+        stock_run = {"optimizer": type(engine.optimizer).__name__, "session": hasattr(engine, "safe_zero_session")}
+        routing.uninstall_on_request()
+        restored = deepspeed.initialize is profiler
+    finally:
+        deepspeed.initialize = stock
+    return {"calls": calls, "safe": safe, "stock": stock_run, "restored": restored}
+
+
+def test_a_wrapper_bound_before_the_routing_is_called_on_both_routes(ranks):
+    (r,) = ranks.run(1, _through_a_profiler)
+    assert r["calls"] == [{}, None], "the profiler sees the safe_zero call and the stock call, once each"
+    assert r["safe"]["optimizer"] == "SafeDeepSpeedZeroOptimizer" and r["safe"]["session"]
+    assert len(r["safe"]["losses"]) == 2, "the gradient-less parameter trains through the profiler"
+    assert r["stock"] == {"optimizer": "DeepSpeedZeroOptimizer", "session": False}
+    assert r["restored"], "uninstall_on_request puts the profiler back"

@@ -171,10 +171,11 @@ def trainer_with_stock_deepspeed(strategy: str, devices: int) -> None:
 
     import deepspeed
 
+    from safe_zero import chaining
     from safe_zero.lightning import _common
 
     stock = deepspeed.initialize
-    with mock.patch.object(safe_zero, "initialize", stock), \
+    with mock.patch.object(chaining, "initialize_through", lambda outer, *a, **k: stock(*a, **k)), \
             mock.patch.object(_common, "require_safe_engine", lambda engine: engine):
         trainer_fails(strategy, devices)
 
@@ -315,3 +316,20 @@ def trainer_predicts(stage: int) -> dict[str, Any]:
         "options_carried": engine.safe_zero_session.options.alignment_guard is False,
         "fixes_engaged": sorted(engine.safe_zero_session.report),
     }
+
+
+def trainer_through_a_mock() -> dict[str, Any]:
+    """Fit with a test's mock (wrapping DeepSpeed's own) bound to ``deepspeed.initialize``: it must be called."""
+    from unittest import mock
+
+    import deepspeed
+
+    spy = mock.Mock(wraps=deepspeed.initialize)
+    with mock.patch("deepspeed.initialize", spy):
+        model = build(seed=0)
+        trainer = _trainer("safe_deepspeed_stage_3", 1, 2)
+        trainer.fit(model, data(1))
+        bound_after = deepspeed.initialize is spy
+    engine = trainer.strategy.model
+    return {"calls": spy.call_count, "optimizer": type(engine.optimizer).__name__, "losses": model.losses,
+            "fixes_engaged": sorted(engine.safe_zero_session.report), "bound_after": bound_after}

@@ -87,6 +87,14 @@ def test_trainer_predicts_through_safe_zero_with_the_users_options(ranks, stage)
         assert "zero3_zero_element_params" in r["fixes_engaged"]
 
 
+def test_a_wrapper_on_deepspeed_initialize_is_called_with_safe_zeros_classes(ranks):
+    (r,) = ranks.run(1, cases.trainer_through_a_mock)
+    assert r["calls"] == 1, "the mock bound to deepspeed.initialize must see Lightning's call"
+    assert r["optimizer"] == "SafeDeepSpeedZeroOptimizer_Stage3" and "zero3_zero_element_params" in r["fixes_engaged"]
+    assert len(r["losses"]) == 2 and r["losses"][1] < r["losses"][0]
+    assert r["bound_after"], "the strategy must put the mock back"
+
+
 def test_stock_names_refuse_the_cpu(ranks):
     with pytest.raises(RankFailure, match=r"only supported on CUDA GPUs but `CPUAccelerator` is used"):
         ranks.run(1, cases.trainer_fails, strategy="deepspeed_stage_3", devices=1)
@@ -291,3 +299,39 @@ def test_strategy_classes_import_before_lightning():
     code, out = _run_script(["-c", IMPORT_ORDER_PROBE], timeout=300)
     assert code == 0, out[-4000:]
     assert "PROBE True True True" in out, out[-4000:]
+
+
+def _cpu_strategies():
+    from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
+    from lightning.pytorch.accelerators import CPUAccelerator as TrainerCPU
+
+    from safe_zero.lightning import SafeDeepSpeedStrategy, SafeFabricDeepSpeedStrategy
+
+    return ((SafeDeepSpeedStrategy, TrainerCPU), (SafeFabricDeepSpeedStrategy, FabricCPU))
+
+
+def test_a_cpu_strategy_without_devices_says_what_it_needs():
+    from safe_zero.lightning import SafeLightningError
+
+    for strategy, cpu in _cpu_strategies():
+        # Lightning's own strategy fails an `assert` here (parallel_devices is None until the Trainer sets it).
+        with pytest.raises(SafeLightningError, match=r"parallel_devices=\[torch.device\('cpu'\)\]"):
+            strategy(accelerator=cpu()).setup_environment()
+        with pytest.raises(RuntimeError, match="only supported on CUDA GPUs but `NoneType` is used"):
+            strategy().setup_environment()  # no accelerator at all: Lightning's own refusal, unchanged
+
+
+def test_register_strategies_fills_a_fresh_registry_with_every_lightning_name():
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+
+    import safe_zero.lightning
+
+    for strategy, _ in _cpu_strategies():
+        lightning_names, ours = _StrategyRegistry(), _StrategyRegistry()
+        strategy._lightning_strategy.register_strategies(lightning_names)
+        strategy.register_strategies(ours)
+        assert sorted(ours) == sorted("safe_" + name for name in lightning_names)
+        for name, entry in dict(dict.items(lightning_names)).items():
+            twin = dict.get(ours, "safe_" + name)
+            assert twin["strategy"] is strategy and twin["init_params"] == entry["init_params"], name
+            assert f"``safe_{name}``" in safe_zero.lightning.__doc__, f"safe_{name} is not in the package docstring"
