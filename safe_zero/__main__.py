@@ -12,13 +12,18 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("model", nargs="?", help="'package.module:factory' or a local Hugging Face model directory")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from safe_zero.demo import main as demo
+    from safe_zero.op_builds import StaleBuildLockError
 
-        return demo()
-    from safe_zero.doctor import main as run_doctor
+    try:
+        if args.command == "demo":
+            from safe_zero.demo import main as demo
 
-    return run_doctor(args.json, args.model)
+            return demo()
+        from safe_zero.doctor import main as run_doctor
+
+        return run_doctor(args.json, args.model)
+    except StaleBuildLockError as e:
+        parser.exit(1, f"safe_zero: {e}\n")
 
 
 if __name__ == "__main__":

@@ -30,14 +30,31 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
+def check_model_spec(spec: str) -> None:
+    """Refuse a MODEL argument that cannot name a model, before any probe runs (they take a while)."""
+    usage = "MODEL must be 'package.module:factory' or a local Hugging Face model directory"
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise SystemExit(f"{usage}; the directory {spec!r} has no config.json")
+        return
+    module_name, _, factory = spec.partition(":")
+    if not factory:
+        where = "does not exist" if not os.path.exists(spec) else "is not a directory"
+        raise SystemExit(f"{usage}; {spec!r} {where}" if os.sep in spec else f"{usage}, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SystemExit(f"{usage}; cannot import {module_name!r}: {e}") from None
+    if not callable(getattr(module, factory, None)):
+        raise SystemExit(f"{usage}; {module_name!r} has no callable {factory!r}")
+
+
 def _load_model(spec: str) -> nn.Module:
     if os.path.isdir(spec):
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
     module_name, _, factory = spec.partition(":")
-    if not factory:
-        raise SystemExit(f"MODEL must be 'package.module:factory' or a local model directory, got {spec!r}")
     return getattr(importlib.import_module(module_name), factory)()
 
 
@@ -118,6 +135,8 @@ def main(as_json: bool, model_spec: str | None) -> int:
     import logging
     import warnings
 
+    if model_spec:
+        check_model_spec(model_spec)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     report = diagnose(model_spec)

@@ -91,6 +91,10 @@ def init_single_process() -> None:
         os.environ.setdefault(key, value)
     import deepspeed
 
+    from safe_zero.op_builds import check_op_build
+
+    check_op_build()  # the process group loads DeepSpeed's CPU comm op: say so if it builds, refuse a stale lock
+
     deepspeed.init_distributed(dist_backend="gloo")
 
 

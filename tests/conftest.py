@@ -28,6 +28,12 @@ def pytest_sessionstart(session):
     # JIT-build it in a cold venv can outlast the pool's start timeout and leave a stale build lock.
     from deepspeed.comm.torch import build_shm_op
 
+    from safe_zero.op_builds import StaleBuildLockError, check_op_build
+
+    try:
+        check_op_build()
+    except StaleBuildLockError as e:
+        pytest.exit(str(e), returncode=pytest.ExitCode.USAGE_ERROR)
     build_shm_op()
 
 

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from safe_zero.op_builds import check_op_build
 from safe_zero.probes import deepspeed_shm_segments, release_shm
 
 
@@ -83,6 +84,8 @@ class DistPool:
     """``world_size`` worker processes joined in one gloo group."""
 
     def __init__(self, world_size: int, start_timeout: float = 300.0):
+        # Every rank loads DeepSpeed's CPU comm op: refuse a build lock a killed build left, instead of a timeout.
+        check_op_build()
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         port = self._port = _free_port()

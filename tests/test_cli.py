@@ -4,15 +4,20 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
+from safe_zero.op_builds import STALE_AFTER_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: int = 300, **environ: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(environ)
     return subprocess.run([sys.executable, "-m", "safe_zero", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -46,3 +51,29 @@ def test_doctor_probes_agree_with_the_declared_versions_and_reads_a_model():
         assert fixes[fix.name]["engages"] is needed, fix.name
     assert report["model"]["zero_sized"] == {"empty.weight": [0, 8]}
     assert report["model"]["gradless"] is None  # a plain factory model has no dummy inputs to probe with
+
+
+def _unreleased_lock(root, age_s: float) -> str:
+    os.makedirs(root / "deepspeed_shm_comm")
+    lock = str(root / "deepspeed_shm_comm" / "lock")
+    open(lock, "w").close()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_doctor_checks_its_argument_before_anything_waits(tmp_path):
+    # A build lock nobody releases: a doctor that ran its probes first would wait on it until the timeout.
+    _unreleased_lock(tmp_path, 0)
+    start = time.monotonic()
+    result = _run("doctor", "/nonexistent/model", timeout=120, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert result.returncode != 0
+    assert "'/nonexistent/model' does not exist" in result.stderr, result.stderr
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("command", ["doctor", "demo"])
+def test_a_stale_build_lock_is_named_instead_of_waited_on(tmp_path, command):
+    lock = _unreleased_lock(tmp_path, STALE_AFTER_S + 60)
+    result = _run(command, timeout=120, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert result.returncode == 1
+    assert f"Delete it (rm {lock}) and run again" in result.stderr, result.stderr
