@@ -9,11 +9,13 @@ their current alignment.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import json
 import os
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -131,6 +133,22 @@ def _print(report: dict[str, Any]) -> None:
         print(f"  grouped_mm weights: {model['grouped_mm'] or 'none'}")
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Everything written to stdout goes to stderr inside, also from subprocesses (DeepSpeed's op build, ninja)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        # DeepSpeed's logger holds the original sys.stdout object: empty its buffer while fd 1 is stderr.
+        sys.__stdout__.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(as_json: bool, model_spec: str | None) -> int:
     import logging
     import warnings
@@ -139,11 +157,14 @@ def main(as_json: bool, model_spec: str | None) -> int:
         check_model_spec(model_spec)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    report = diagnose(model_spec)
     if as_json:
+        # stdout carries the JSON alone: `doctor --json | jq` must work on a fresh extensions cache too,
+        # where DeepSpeed prints its op build on stdout.
+        with _stdout_to_stderr():
+            report = diagnose(model_spec)
         print(json.dumps(report, indent=2))
     else:
-        _print(report)
+        _print(diagnose(model_spec))
     return 0
 
 
