@@ -1,4 +1,4 @@
-"""Rank bodies for ``benchmarks/run.py``: each runs on every rank of a CPU/gloo pool (tests/rig.py)."""
+"""Rank bodies for ``benchmarks/run.py``: each runs on every rank of a CPU/gloo pool (safe_zero/ranks.py)."""
 
 from __future__ import annotations
 

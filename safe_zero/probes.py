@@ -19,14 +19,16 @@ import torch
 from torch import nn
 
 
-class _ZeroSized(nn.Module):
+class ZeroSized(nn.Module):
+    """The minimal model stock ZeRO-3 fails on: a dense layer beside a layer with zero output features."""
+
     def __init__(self) -> None:
         super().__init__()
         self.dense = nn.Linear(8, 8)
         self.empty = nn.Linear(8, 0, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense(x).sum() + self.empty(x).sum()
+        return self.dense(x).pow(2).mean() + self.empty(x).sum()
 
 
 class DropGrad(torch.autograd.Function):
@@ -125,7 +127,7 @@ def _raises(fn: Callable[[], Any], *errors: type) -> bool:
 
 
 def probe_zero3_zero_element_params() -> bool:
-    return _raises(lambda: _step(_engine(_ZeroSized, 3)), AssertionError, ValueError)
+    return _raises(lambda: _step(_engine(ZeroSized, 3)), AssertionError, ValueError)
 
 
 def probe_gradless_params() -> bool:
@@ -136,7 +138,7 @@ def probe_zero_element_groups() -> bool:
     """Root cause: a zero-element parameter inside the ZeRO-1/2 flat groups (or a crash on the way there)."""
 
     def inside() -> bool:
-        engine = _engine(_ZeroSized, 2)
+        engine = _engine(ZeroSized, 2)
         return any(p.numel() == 0 for group in engine.optimizer.bit16_groups for p in group)
 
     try:
@@ -147,7 +149,7 @@ def probe_zero_element_groups() -> bool:
 
 def probe_flat_buffer_autograd() -> bool:
     """Root cause: the ZeRO-1/2 flat buffer carries autograd history (the symptom needs 2 gloo ranks)."""
-    engine = _engine(_ZeroSized, 1)
+    engine = _engine(ZeroSized, 1)
     return any(flat.requires_grad for flat in engine.optimizer.bit16_groups_flat)
 
 

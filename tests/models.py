@@ -8,23 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from safe_zero.probes import DropGrad
-
-
-class ZeroSized(nn.Module):
-    """REFERENCE §1's minimal failing model: a dense layer beside a layer with zero output features."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dense = nn.Linear(8, 8)
-        self.empty = nn.Linear(8, 0, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense(x).pow(2).mean() + self.empty(x).sum()
-
-
-# Uses a weight in the forward but returns no gradient for it, as FP-Quant's pseudo-quant kernel does.
-_DropGrad = DropGrad
+from safe_zero.probes import DropGrad, ZeroSized
 
 
 class Gradless(nn.Module):
@@ -36,7 +20,7 @@ class Gradless(nn.Module):
         self.dqweight = nn.Parameter(torch.full((4, 8), 0.125))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DropGrad.apply(self.dense(x), self.dqweight).pow(2).mean()
+        return DropGrad.apply(self.dense(x), self.dqweight).pow(2).mean()
 
 
 class Control(nn.Module):
@@ -49,6 +33,56 @@ class Control(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.dense(x))).pow(2).mean()
+
+
+class _QuantLinear(nn.Module):
+    """FP-Quant's layout: sized bf16 tensors beside a trainable ``(0,)`` float32 placeholder."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        linear = nn.Linear(in_features, out_features)
+        self.bias = nn.Parameter(linear.bias.detach().to(torch.bfloat16))
+        # Registered between two sized tensors, so it sits inside a ZeRO partition, not on its edge.
+        self.weight = nn.Parameter(torch.zeros(0))
+        self.qweight = nn.Parameter(linear.weight.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.qweight, self.bias)
+
+
+class FPQuantLike(nn.Module):
+    """``Control`` rebuilt from quantized-style layers: at world size 2 each rank's partition holds a placeholder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q1 = _QuantLinear(8, 8)
+        self.q2 = _QuantLinear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q2(torch.relu(self.q1(x))).pow(2).mean()
+
+
+def cpu_fused_adam() -> type:
+    """A DeepSpeed ``FusedAdam`` (the type check that routes bf16 stage 0 to the fused ``FP16_Optimizer``) for CPU.
+
+    The real FusedAdam JIT-builds a kernel at construction; the wrappers under test only need an
+    optimizer over their flat fp32 groups, so this one takes a plain SGD step.
+    """
+    from deepspeed.ops.adam import FusedAdam
+
+    class CpuFusedAdam(FusedAdam):
+        def __init__(self, params: Any, lr: float = 1e-2) -> None:
+            torch.optim.Optimizer.__init__(self, params, {"lr": lr})
+            self.set_grad_none = True
+
+        @torch.no_grad()
+        def step(self, closure: Any = None, **_: Any) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad.to(p.dtype), alpha=-group["lr"])
+
+    return CpuFusedAdam
 
 
 def ds_config(stage: int, *, dtype: str = "bf16", batch: int = 2, world_size: int | None = None, **zero: Any) -> dict:
@@ -117,7 +151,7 @@ class TinyGptOss(nn.Module):
     """A 1-layer GPT-OSS from a ``GptOssConfig`` (hidden 64, 4 experts, expert intermediate 32), fed by ``train``.
 
     Its 2-element attention sinks and 4-element router bias put the grouped_mm expert weights off the
-    16-byte grid in a flat buffer (REFERENCE §6). ``forward`` turns the float batch into token ids.
+    16-byte grid in a flat buffer (stock bf16 ZeRO-2: data_ptr() % 16 of 12, 12, 8, 8). ``forward`` turns the float batch into token ids.
     """
 
     VOCAB = 128

@@ -23,15 +23,7 @@ single_rank_env(29519)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-class ZeroSized(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.dense = nn.Linear(8, 8)
-        self.empty = nn.Linear(8, 0, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense(x).float().pow(2).mean() + self.empty(x).float().sum()
-
+from safe_zero.probes import ZeroSized  # noqa: E402
 
 class Experts(nn.Module):
     def __init__(self) -> None:

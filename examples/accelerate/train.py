@@ -19,18 +19,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from safe_zero.accelerate import SafeDeepSpeedPlugin
-
-
-class _NoGrad(torch.autograd.Function):
-    """Uses ``w`` but returns no gradient for it, as FP-Quant's pseudo-quantized matmul does."""
-
-    @staticmethod
-    def forward(ctx, x, w):  # type: ignore[override]
-        return x * w.sum()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
+# Uses a weight but returns no gradient for it, as FP-Quant's pseudo-quantized matmul does.
+from safe_zero.probes import DropGrad
 
 
 class Model(nn.Module):
@@ -41,7 +31,7 @@ class Model(nn.Module):
         self.dqweight = nn.Parameter(torch.full((4, 8), 0.125))  # trainable, never gets a gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NoGrad.apply(self.dense(x), self.dqweight).pow(2).mean() + self.empty(x).sum()
+        return DropGrad.apply(self.dense(x), self.dqweight).pow(2).mean() + self.empty(x).sum()
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import deepspeed
 
-from safe_zero import chaining, injection
+from safe_zero import chaining
 from safe_zero._compat import SafeZeroError
 from safe_zero.injection import InjectionError, _LOCK, _STOCK_INITIALIZE, _STOCK_SIGNATURE, resolve_config
 from safe_zero.options import CONFIG_KEY, SafeZeroOptions

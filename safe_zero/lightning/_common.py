@@ -3,7 +3,8 @@
 Nothing here corrects DeepSpeed itself: the fixes live in ``safe_zero.fixes`` and reach Lightning
 because its ``deepspeed.initialize`` calls are routed through :func:`safe_zero.initialize` for the
 duration of the strategy method that makes them. The rest handles the three places where
-Lightning's DeepSpeed strategies assume CUDA (REFERENCE §3), so development and CI run on CPU.
+Lightning's DeepSpeed strategies assume CUDA (the accelerator check, the device-index check and the
+``device_rank`` handed to DeepSpeed), so development and CI run on CPU.
 
 The mixins serve both class trees of each API (``lightning.pytorch`` / ``pytorch_lightning`` and
 ``lightning.fabric`` / ``lightning_fabric``): the sources are the same, only the packages differ.

@@ -15,7 +15,7 @@ import sys
 import torch
 from torch import nn
 
-from tests.models import _DropGrad
+from safe_zero.probes import DropGrad
 
 STEPS = 4
 
@@ -35,7 +35,7 @@ class ZeroSizedAndGradless(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.dense(x)
         moe = torch.einsum("bi,eio->beo", h, self.experts)
-        return (_DropGrad.apply(h, self.dqweight).pow(2).mean() + moe.pow(2).mean()
+        return (DropGrad.apply(h, self.dqweight).pow(2).mean() + moe.pow(2).mean()
                 + (h[:, :3] * self.scale).pow(2).mean() + self.empty(x).sum())
 
 
@@ -100,7 +100,7 @@ def main() -> None:
     accelerator.deepspeed_engine_wrapped = None
     train(accelerator, "safe")
 
-    # A 2-process gloo run can abort in interpreter finalization after training finished (REFERENCE §4).
+    # A 2-process gloo run can abort in interpreter finalization after training finished (a gloo thread torn down during finalization).
     import torch.distributed as dist
 
     accelerator.wait_for_everyone()

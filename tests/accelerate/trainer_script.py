@@ -3,7 +3,7 @@
 A tiny Llama built from a ``LlamaConfig`` (no hub access) whose MLP up-projections are
 FP-Quant-style pseudo-quantized linears without master weights: zero-sized ``(0,)`` placeholders
 for ``weight`` and ``qweight``, and a trainable ``dqweight`` that autograd leaves without a
-gradient (REFERENCE §5). Each rank prints ``RESULT <json>`` lines. Modes:
+gradient (FP-Quant's pseudo-quantization without master weights). Each rank prints ``RESULT <json>`` lines. Modes:
 
 * ``stock-then-import`` (1 process): Trainer with stock DeepSpeed (error recorded), then
   ``import safe_zero.accelerate`` (the DeepSpeed JSON's "safe_zero" block opts in) and a new Trainer.
@@ -132,7 +132,7 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
-    # A 2-process gloo run can abort in interpreter finalization after training finished (REFERENCE §4).
+    # A 2-process gloo run can abort in interpreter finalization after training finished (a gloo thread torn down during finalization).
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-# Both FP-Quant parameter kinds need a fix at ZeRO-3 on every supported DeepSpeed (REFERENCE §1).
+# Both FP-Quant parameter kinds need a fix at ZeRO-3 on every supported DeepSpeed.
 FP_QUANT_FIXES = {"gradless_params", "zero3_zero_element_params"}
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 at world size 2 on gloo (issue 10 item 1): DeepSpeed 0.18.7+ builds its flat parameter
+"""ZeRO-1/2 at world size 2 on gloo: DeepSpeed 0.18.7+ builds its flat parameter
 buffers with autograd history and every step's all-gather raises; safe_zero detaches them.
 
 Both a control model and an FP-Quant-like model with zero-element placeholders (which also
@@ -10,7 +10,7 @@ from packaging.version import Version
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
-from tests.fixes.test_zero_element_groups import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
+from tests.bodies import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
 from tests.rig import RankFailure
 
 NEEDED = flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION)

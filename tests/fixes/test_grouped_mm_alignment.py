@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import OddExperts, TinyGptOss, batches, build, ds_config
+from tests.models import OddExperts, TinyGptOss, batches, build, cpu_fused_adam, ds_config
 from tests.rig import RankFailure
 
 ROUTES = {
@@ -43,24 +43,6 @@ def _skip_unreachable(route: str) -> None:
                     "(BFLOAT16 == DDP_BFLOAT16): no BF16_Optimizer, no flat buffer to align")
 
 
-def _fused_adam_cls() -> type:
-    """A ``FusedAdam`` (the type check that selects the fused ``FP16_Optimizer``) that steps with plain SGD on CPU."""
-    from deepspeed.ops.adam import FusedAdam
-
-    class CpuFusedAdam(FusedAdam):
-        def __init__(self, params, lr: float = 1e-2):  # FusedAdam's own __init__ builds a CUDA op
-            torch.optim.Optimizer.__init__(self, params, dict(lr=lr))
-
-        @torch.no_grad()
-        def step(self, closure=None, **kwargs):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-group["lr"])
-
-    return CpuFusedAdam
-
-
 def _config(route: str, **safe_zero_block) -> dict:
     _, spec = ROUTES[route]
     spec = dict(spec)
@@ -82,7 +64,7 @@ def _engine(model_name: str, route: str, safe: bool, **safe_zero_block):
 
     model = build(MODELS[model_name])
     config = _config(route, **safe_zero_block)
-    optimizer = _fused_adam_cls()(model.parameters()) if "optimizer" not in config else None
+    optimizer = cpu_fused_adam()(model.parameters()) if "optimizer" not in config else None
     init = safe_zero.initialize if safe else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=None if optimizer else model.parameters(),
                       optimizer=optimizer, config=config)
@@ -134,7 +116,7 @@ def _route_body(model_name: str, route: str, ckpt: str) -> dict:
     out = {"stock_class": type(stock.optimizer).__name__, "stock_init": _offsets(stock)}
     del stock
     # The unpadded baseline trains under safe_zero with alignment off: stock layout, and it also runs where
-    # stock DeepSpeed cannot step at all (0.18.x ZeRO-1/2 at world size 2 on gloo, REFERENCE §1).
+    # stock DeepSpeed cannot step at all (0.18.x ZeRO-1/2 at world size 2 on gloo: see flat_buffer_autograd).
     import warnings
 
     with warnings.catch_warnings():

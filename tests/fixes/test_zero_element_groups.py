@@ -1,37 +1,35 @@
-"""Zero-element trainable parameters in the flattening wrappers (issue 2 items 5a/5b, issue 10 item 2).
+"""Zero-element trainable parameters in the flattening wrappers.
 
 On DeepSpeed < 0.19.8 the fp16/bf16/ZeRO-1/2 wrappers take a zero-element parameter into
 their flat groups. Three symptoms, each asserted here on the leg that has it:
-- 0.18.9 ZeRO-1/2: ``KeyError`` in ``average_tensor`` on the first backward (5b);
+- 0.18.9 ZeRO-1/2: ``KeyError`` in ``average_tensor`` on the first backward;
 - 0.18.9 ZeRO-1/2 with a placeholder inside a partition (FP-Quant's layout): ``fragment start N
   should be < fragment_end N`` at initialize;
 - with a torch whose ``unflatten_dense_tensors`` returns ``zeros({0})`` for a zero-element tensor
-  (torch <= 2.9; 2.13 keeps the shape, so it is emulated): the parameter is rebound as ``(0,)``
-  (5a). DeepSpeed 0.19.8 keeps such parameters out of every group, so there stock passes and
+  (torch <= 2.9; 2.13 keeps the shape, so it is emulated): the parameter is rebound as ``(0,)``.
+DeepSpeed 0.19.8 keeps such parameters out of every group, so there stock passes and
   the fix stays off: the tests assert that too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Iterator
 
 import pytest
 import torch
 from packaging.specifiers import SpecifierSet
-from torch import nn
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
-from tests.models import Control, ZeroSized, build, ds_config, train
+from tests.bodies import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
+from tests.models import FPQuantLike, ZeroSized, build, cpu_fused_adam, ds_config, train
 from tests.rig import RankFailure
 
 NEEDED = zero_element_groups.FIX.needed(DEEPSPEED_VERSION)
 # Stock's symptoms went away release by release (#8280/#8298 in 0.19.6, #8277 in 0.19.7, the rest in
 # 0.19.8); what stock does is asserted per symptom, so ``make matrix`` checks every release exactly.
 KEYERROR = DEEPSPEED_VERSION in SpecifierSet("<0.19.6")
-FRAGMENT_ASSERT = DEEPSPEED_VERSION in SpecifierSet("<0.19.6")
 SHAPE_LOST = {"FP16_Optimizer": NEEDED, "BF16_Optimizer": NEEDED,
               "DeepSpeedZeroOptimizer": DEEPSPEED_VERSION in SpecifierSet("<0.19.7")}
 # Before 0.18.5 the engine's own (non-ZeRO) gradient all-reduce also sends a zero-element gradient
@@ -40,98 +38,7 @@ SHAPE_LOST = {"FP16_Optimizer": NEEDED, "BF16_Optimizer": NEEDED,
 ENGINE_REDUCES_ZERO_ELEMENT_GRADS = DEEPSPEED_VERSION in SpecifierSet("<0.18.5")
 
 
-class _QuantLinear(nn.Module):
-    """FP-Quant's layout: sized bf16 tensors beside a trainable ``(0,)`` float32 placeholder."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        linear = nn.Linear(in_features, out_features)
-        self.bias = nn.Parameter(linear.bias.detach().to(torch.bfloat16))
-        # Registered between two sized tensors, so it sits inside a ZeRO partition, not on its edge.
-        self.weight = nn.Parameter(torch.zeros(0))
-        self.qweight = nn.Parameter(linear.weight.detach().to(torch.bfloat16))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.qweight, self.bias)
-
-
-class FPQuantLike(nn.Module):
-    """``Control`` rebuilt from quantized-style layers: at world size 2 each rank's partition holds a placeholder."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q1 = _QuantLinear(8, 8)
-        self.q2 = _QuantLinear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.q2(torch.relu(self.q1(x))).pow(2).mean()
-
-
-MODELS = {"Control": Control, "ZeroSized": ZeroSized, "FPQuantLike": FPQuantLike}
-
-
-def _zero_element_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {n: tuple(p.shape) for n, p in module.named_parameters() if p.numel() == 0}
-
-
-def train_and_roundtrip(model: str, stage: int, safe: bool, world_size: int, ckpt_dir: str, steps: int = 3) -> dict:
-    """Train ``steps``, checkpoint, load into a fresh differently-seeded engine, train both on."""
-    import deepspeed
-
-    import safe_zero
-    init = safe_zero.initialize if safe else deepspeed.initialize
-    config = ds_config(stage, world_size=world_size)
-
-    first = build(MODELS[model], seed=0)
-    expected_shapes = _zero_element_shapes(first)
-    # DeepSpeed pops keys (torch_adam) out of the config it is given: each engine gets its own copy.
-    engine, *_ = init(model=first, model_parameters=first.parameters(), config=copy.deepcopy(config))
-    result: dict[str, Any] = {
-        "wrapper": type(engine.optimizer).__name__,
-        "report": dict(getattr(engine, "safe_zero_session", None).report) if safe else None,
-        "expected_shapes": expected_shapes,
-        "shapes_init": _zero_element_shapes(engine.module),
-    }
-    result["flat_buffer_history"] = [t.requires_grad or t.grad_fn is not None for t in engine.optimizer.bit16_groups_flat]
-    result["losses"] = train(engine, steps)
-    result["shapes_after"] = _zero_element_shapes(engine.module)
-
-    engine.save_checkpoint(ckpt_dir, tag="roundtrip")
-    saved = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    saved_master = [t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]
-
-    second = build(MODELS[model], seed=1)
-    fresh, *_ = init(model=second, model_parameters=second.parameters(), config=copy.deepcopy(config))
-    result["differed_before_load"] = [n for n, p in fresh.module.named_parameters()
-                                      if p.numel() and not torch.equal(p, saved[n])]
-    fresh.load_checkpoint(ckpt_dir, tag="roundtrip")
-    loaded = dict(fresh.module.named_parameters())
-    result["not_restored"] = [n for n, p in saved.items()
-                              if loaded[n].shape != p.shape or loaded[n].dtype != p.dtype or not torch.equal(loaded[n], p)]
-    result["master_restored"] = len(saved_master) == len(fresh.optimizer.single_partition_of_fp32_groups) and all(
-        torch.equal(a, b) for a, b in zip(saved_master, fresh.optimizer.single_partition_of_fp32_groups))
-    result["shapes_loaded"] = _zero_element_shapes(fresh.module)
-    # Both engines now hold the same state: the same further batches must give the same losses.
-    result["continued"] = train(engine, 2, seed=1)
-    result["continued_fresh"] = train(fresh, 2, seed=1)
-    return result
-
-
-def check_trained_and_restored(results: list[dict], steps: int = 3) -> None:
-    """Assertions shared with ``test_flat_buffer_autograd``: training, shapes, bit-identical round trip."""
-    for r in results:
-        assert len(r["losses"]) == steps
-        assert all(torch.isfinite(torch.tensor(r["losses"] + r["continued"])))
-        assert r["losses"][-1] < r["losses"][0], r["losses"]
-        assert r["shapes_init"] == r["expected_shapes"] == r["shapes_after"] == r["shapes_loaded"]
-        assert r["differed_before_load"], "the fresh engine must start from other values, or the round trip proves nothing"
-        assert r["not_restored"] == [], f"parameters not restored bit-identically: {r['not_restored']}"
-        assert r["master_restored"], "the fp32 master partition must be restored bit-identically"
-        assert r["continued"] == r["continued_fresh"]
-    assert results[0]["losses"] == results[-1]["losses"], "ranks must agree"
-
-
-# --- 5b: zero-sized trainable parameter in ZeRO-1/2 gradient reduction --------------------------------------------
+# --- zero-sized trainable parameter in ZeRO-1/2 gradient reduction --------------------------------------------
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -165,7 +72,7 @@ def test_safe_zero12_trains_and_restores_a_zero_sized_parameter(ranks, tmp_path,
             assert r["report"] == {}, "no fix may act where DeepSpeed has no defect"
 
 
-# --- issue 10.2: FP-Quant-like layout, a zero-element placeholder inside a partition -------------------------------
+# --- FP-Quant-like layout, a zero-element placeholder inside a partition -------------------------------
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -180,7 +87,7 @@ def test_stock_zero12_asserts_on_a_placeholder_inside_a_partition(ranks, tmp_pat
                                              world_size=1, ckpt_dir=str(tmp_path)))
 
 
-# --- 5a: the shape of a zero-element parameter under the older torch's unflatten ------------------------------------
+# --- the shape of a zero-element parameter under the older torch's unflatten ------------------------------------
 
 
 @contextlib.contextmanager
@@ -217,30 +124,6 @@ def test_legacy_unflatten_emulation_takes_effect():
     assert [tuple(t.shape) for t in _unflatten_dense_tensors(flat, tensors)] == [(8, 8), (0, 8), (4,)]
 
 
-def _fused_adam_stand_in() -> type:
-    from deepspeed.ops.adam import FusedAdam
-
-    class FusedAdamStandIn(FusedAdam):
-        """Routes bf16 stage 0 to the fused ``FP16_Optimizer`` (``isinstance(opt, FusedAdam)``) on CPU.
-
-        The real FusedAdam JIT-builds a kernel at construction; the wrapper under test only
-        needs an optimizer over its flat fp32 group, so this one takes a plain SGD step.
-        """
-
-        def __init__(self, params: Any, lr: float = 1e-2) -> None:
-            torch.optim.Optimizer.__init__(self, params, {"lr": lr})
-            self.set_grad_none = True
-
-        @torch.no_grad()
-        def step(self, closure: Any = None, **_: Any) -> None:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.add_(p.grad.to(p.dtype), alpha=-group["lr"])
-
-    return FusedAdamStandIn
-
-
 ROUTES = {  # route -> (stock wrapper DeepSpeed builds, how to configure it)
     "bf16_stage0_fused": "FP16_Optimizer",
     "bf16_optimizer": "BF16_Optimizer",
@@ -259,7 +142,7 @@ def _init_route(route: str, safe: bool, world_size: int) -> Any:
     if route == "bf16_stage0_fused":
         config = ds_config(0, world_size=world_size)
         del config["optimizer"]
-        kwargs["optimizer"] = _fused_adam_stand_in()(model.parameters())
+        kwargs["optimizer"] = cpu_fused_adam()(model.parameters())
     else:
         config = ds_config(2 if route == "zero2" else 1, world_size=world_size)
         kwargs["model_parameters"] = model.parameters()

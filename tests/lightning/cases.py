@@ -1,7 +1,7 @@
 """Lightning and Fabric runs shared by the in-process tests (devices=1, on the rank pool) and two_devices.py.
 
 Every case is a module-level function that returns plain data (lists, bools, ints), so the same
-function serves as a rank body of ``tests.rig`` and as one step of the 2-process script.
+function serves as a rank body of ``safe_zero.ranks`` and as one step of the 2-process script.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import safe_zero
-from tests.models import _DropGrad
+from safe_zero.probes import DropGrad
 
 STEPS = 5
 BATCH = 2
@@ -39,7 +39,7 @@ class Core(nn.Module):
         self.experts = safe_zero.mark_grouped_mm(nn.Parameter(torch.randn(2, 8, 8) * 0.3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _DropGrad.apply(torch.relu(self.dense(x)), self.dqweight)
+        h = DropGrad.apply(torch.relu(self.dense(x)), self.dqweight)
         # Half the rows go to each expert.
         offs = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32, device=x.device)
         y = F.grouped_mm(h, self.experts, offs=offs)

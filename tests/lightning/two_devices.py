@@ -43,7 +43,7 @@ def main() -> None:
             _emit("SAFE_ZERO_ERROR", error)
             os._exit(1)
         _emit("SAFE_ZERO_RESULT", {"case": case, **result})
-    # gloo's threads abort the process if torn down during interpreter finalization (REFERENCE §4).
+    # gloo's threads abort the process if torn down during interpreter finalization.
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
