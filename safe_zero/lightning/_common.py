@@ -18,7 +18,7 @@ import contextlib
 import importlib.metadata
 import inspect
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -72,6 +72,14 @@ class _SafeStrategyBase:
     """Behaviour common to the Trainer and Fabric strategies; documented on the concrete classes."""
 
     _lightning_strategy: type  # Lightning's DeepSpeedStrategy of the same class tree
+    _precision_attribute: str  # where the Trainer ("precision_plugin") or Fabric ("precision") keeps its plugin
+
+    def setup_environment(self) -> None:
+        if self._runs_on_cpu():
+            self._check_cpu(getattr(self, self._precision_attribute))
+            self._setup_environment_without_cuda_check()
+        else:
+            super().setup_environment()  # type: ignore[misc]
 
     def _runs_on_cpu(self) -> bool:
         if self.parallel_devices:
@@ -198,12 +206,9 @@ class _SafeStrategyBase:
 class TrainerStrategyMixin(_SafeStrategyBase):
     """The overrides of the Trainer's ``DeepSpeedStrategy`` (lightning.pytorch and pytorch_lightning)."""
 
-    def setup_environment(self) -> None:
-        if self._runs_on_cpu():
-            self._check_cpu(self.precision_plugin)
-            self._setup_environment_without_cuda_check()
-        else:
-            super().setup_environment()
+    INITIALIZE_METHODS = TRAINER_INITIALIZE_METHODS
+    strategy_name = "safe_deepspeed"
+    _precision_attribute = "precision_plugin"
 
     def setup_distributed(self) -> None:
         with self._indexed_cpu_devices() if self._runs_on_cpu() else contextlib.nullcontext():
@@ -223,12 +228,8 @@ class TrainerStrategyMixin(_SafeStrategyBase):
 class FabricStrategyMixin(_SafeStrategyBase):
     """The overrides of Fabric's ``DeepSpeedStrategy`` (lightning.fabric and lightning_fabric)."""
 
-    def setup_environment(self) -> None:
-        if self._runs_on_cpu():
-            self._check_cpu(self.precision)
-            self._setup_environment_without_cuda_check()
-        else:
-            super().setup_environment()
+    INITIALIZE_METHODS = FABRIC_INITIALIZE_METHODS
+    _precision_attribute = "precision"
 
     def _setup_distributed(self) -> None:
         with self._indexed_cpu_devices() if self._runs_on_cpu() else contextlib.nullcontext():
@@ -283,6 +284,21 @@ _UNDOCUMENTED_BY_LIGHTNING = {
     "process_group_backend": "The torch.distributed backend; by default ``nccl`` on CUDA and ``gloo`` on CPU.",
     "timeout": "Timeout of the process group's collectives.",
 }
+
+
+def safe_twin_of(lightning_strategy: type, **doc_fields: str) -> Callable[[type], type]:
+    """Class decorator of a safe strategy: checks that this Lightning fits, names its Lightning class, documents it.
+
+    ``doc_fields`` fill the docstring's intro (``api``, ``example``, ``instance``, ``path``).
+    """
+
+    def define(cls: type) -> type:
+        check_lightning_fits(lightning_strategy, cls.INITIALIZE_METHODS)  # type: ignore[attr-defined]
+        cls._lightning_strategy = lightning_strategy  # type: ignore[attr-defined]
+        cls.__doc__ = compose_docstring(lightning_strategy, **doc_fields)
+        return cls
+
+    return define
 
 
 def compose_docstring(lightning_strategy: type, **fields: str) -> str:

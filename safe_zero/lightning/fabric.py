@@ -2,22 +2,20 @@
 
 from lightning.fabric.strategies import DeepSpeedStrategy
 
-from safe_zero.lightning._common import FABRIC_INITIALIZE_METHODS, FabricStrategyMixin, check_lightning_fits, \
-    compose_docstring
+from safe_zero.lightning._common import FabricStrategyMixin, safe_twin_of
 from safe_zero.lightning._registration import register
 
-check_lightning_fits(DeepSpeedStrategy, FABRIC_INITIALIZE_METHODS)
 
-
-class SafeFabricDeepSpeedStrategy(FabricStrategyMixin, DeepSpeedStrategy):
-    _lightning_strategy = DeepSpeedStrategy
-
-
-SafeFabricDeepSpeedStrategy.__doc__ = compose_docstring(
-    DeepSpeedStrategy, api="Fabric (``lightning.fabric``)",
+@safe_twin_of(
+    DeepSpeedStrategy,
+    api="Fabric (``lightning.fabric``)",
     example='``Fabric(strategy="safe_deepspeed_stage_3")``',
     instance="Fabric(strategy=SafeFabricDeepSpeedStrategy(stage=3))",
-    path="safe_zero.lightning.SafeFabricDeepSpeedStrategy")
+    path="safe_zero.lightning.SafeFabricDeepSpeedStrategy",
+)
+class SafeFabricDeepSpeedStrategy(FabricStrategyMixin, DeepSpeedStrategy):
+    pass
+
 
 # Importing lightning.fabric.strategies first may have run the registration hook before this class existed.
 register("lightning.fabric.strategies")
