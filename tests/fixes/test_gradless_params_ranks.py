@@ -151,8 +151,8 @@ def test_safe_zero3_gathers_moe_blocks_whole_and_is_ddp_exact(ranks, world_size,
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("stage,overlap", [(1, False), (1, True), (2, False), (2, True), (3, False)])
-def test_safe_zero_is_ddp_exact_on_an_optional_tower(ranks, stage, overlap, world_size):
+@pytest.mark.parametrize("stage,overlap", [(1, False), (1, True), (2, False), (2, True)])
+def test_safe_zero12_is_ddp_exact_on_an_optional_tower(ranks, stage, overlap, world_size):
     results = ranks.run(world_size, _train, model="tower", safe=True, world_size=world_size, stage=stage,
                         overlap_comm=overlap)
     expected = reference("tower", world_size)
