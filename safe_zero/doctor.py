@@ -76,12 +76,14 @@ def _gradless(model: nn.Module) -> list[str] | None:
 
 def analyse_model(model: nn.Module) -> dict[str, Any]:
     from safe_zero.alignment import grouped_mm_parameters
+    from safe_zero.leaf_modules import moe_blocks
 
     return {
         "zero_sized": {n: list(p.shape) for n, p in model.named_parameters() if p.numel() == 0},
         "gradless": _gradless(model),
         "grouped_mm": {n: {"shape": list(p.shape), "data_ptr_mod_16": p.data_ptr() % 16}
                        for n, p in grouped_mm_parameters(model).items()},
+        "zero3_leaf_modules": {n: type(m).__name__ for n, m in moe_blocks(model).items()},
     }
 
 
@@ -131,6 +133,7 @@ def _print(report: dict[str, Any]) -> None:
         print(f"  trainable parameters without a gradient: "
               f"{'not checked (no dummy_inputs)' if gradless is None else gradless or 'none'}")
         print(f"  grouped_mm weights: {model['grouped_mm'] or 'none'}")
+        print(f"  MoE blocks gathered whole under ZeRO-3 (leaf modules): {model['zero3_leaf_modules'] or 'none'}")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from safe_zero import alignment, wrappers
+from safe_zero import alignment, leaf_modules, wrappers
 from safe_zero._compat import SUPPORTED_DEEPSPEED, SafeZeroError, check_deepspeed_supported
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session, set_current_session
@@ -201,6 +201,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     session = Session(options=SafeZeroOptions.from_config(config))
     check_reachable(config)
     check_precision(config)
+    leaf_modules.make_moe_blocks_leaves(arguments.get("model"), config, session)
     adjusted = alignment.prepare_config(arguments.get("model"), config, session)
     if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
         alignment.pass_config(bound, adjusted)

@@ -8,7 +8,8 @@ DeepSpeed ignores unknown top-level config keys, so the block travels inside the
       "safe_zero": {
         "fixes": {"zero3_zero_element_params": "auto", "gradless_params": true},
         "alignment": "auto",
-        "alignment_guard": true
+        "alignment_guard": true,
+        "leaf_modules": {"add": ["MyMoEBlock"], "remove": []}
       }
     }
 """
@@ -42,11 +43,15 @@ class SafeZeroOptions:
             model needs it).
         alignment_guard: check that the detected expert weights are 16-byte aligned after
             initialize and after every optimizer step, and raise naming the parameter if not.
+        leaf_modules: ZeRO-3 only. ``{"add": [...], "remove": [...]}``: module classes (class name or
+            ``module.QualName``) to gather whole as ZeRO-3 leaf modules beyond, or instead of, the MoE
+            blocks safe_zero detects (a module whose ``experts`` child is an ``nn.ModuleList``).
     """
 
     fixes: Mapping[str, Setting] = field(default_factory=dict)
     alignment: Setting = "auto"
     alignment_guard: bool = True
+    leaf_modules: Mapping[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> "SafeZeroOptions":
@@ -58,7 +63,7 @@ class SafeZeroOptions:
             block = {}
         if not isinstance(block, Mapping):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}" must be an object, got {type(block).__name__}')
-        allowed = {"fixes", "alignment", "alignment_guard"}
+        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules"}
         unknown = set(block) - allowed
         if unknown:
             raise SafeZeroConfigError(f'unknown key(s) {sorted(unknown)} in "{CONFIG_KEY}"; allowed: {sorted(allowed)}')
@@ -75,7 +80,13 @@ class SafeZeroOptions:
         guard = block.get("alignment_guard", True)
         if not isinstance(guard, bool):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.alignment_guard" must be true or false, got {guard!r}')
-        return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard)
+        leaf_modules = block.get("leaf_modules", {}) or {}
+        if not isinstance(leaf_modules, Mapping) or set(leaf_modules) - {"add", "remove"} or not all(
+                isinstance(v, list) and all(isinstance(c, str) for c in v) for v in leaf_modules.values()):
+            raise SafeZeroConfigError(f'"{CONFIG_KEY}.leaf_modules" must be {{"add": [class names], "remove": '
+                                      f'[class names]}}, got {leaf_modules!r}')
+        return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard,
+                   leaf_modules={k: list(v) for k, v in leaf_modules.items()})
 
 
 def _check_setting(where: str, value: Any) -> None:

@@ -115,8 +115,10 @@ class DistPool:
                     raise RuntimeError(f"a worker of the {self.world_size}-rank pool died during job {job_id}")
                 if time.monotonic() > deadline:
                     self.close()
+                    # A rank that raised while another waits in a collective: its error is the one to see.
+                    errors = "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
                     raise TimeoutError(f"job {job_id} did not finish on all {self.world_size} ranks within {timeout}s "
-                                       f"(finished: {sorted(got)})")
+                                       f"(finished: {sorted(got)}){errors}")
                 continue
             if jid == job_id:
                 got[rank] = outcome

@@ -18,7 +18,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
-from safe_zero.fixes.gradless_params import ZeroFillMissingGradsStage3, ZeroFillMissingGradsStage12
+from safe_zero.fixes.gradless_params import ReduceInOneOrderStage3, ReduceInOneOrderStage12
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
                                                    AlignStage3SubGroups, GuardGatheredAlignment)
 from safe_zero.fixes.zero3_zero_element import (AdoptZeroElementParams, MaterializeZeroElementOnFetch,
@@ -39,12 +39,12 @@ class SafeBF16_Optimizer(CapturesSession, AlignFlatGroups, ExcludeZeroElementPar
     """ZeRO-1 + bf16 + fp32 gradient accumulation wrapper."""
 
 
-class SafeDeepSpeedZeroOptimizer(CapturesSession, AlignRoundRobinGroups, ZeroFillMissingGradsStage12,
+class SafeDeepSpeedZeroOptimizer(CapturesSession, AlignRoundRobinGroups, ReduceInOneOrderStage12,
                                  ExcludeZeroElementParams, DetachFlatBuffers, DeepSpeedZeroOptimizer):
     """ZeRO-1/2 optimizer."""
 
 
-class SafeDeepSpeedZeroOptimizer_Stage3(CapturesSession, AlignStage3SubGroups, ZeroFillMissingGradsStage3,
+class SafeDeepSpeedZeroOptimizer_Stage3(CapturesSession, AlignStage3SubGroups, ReduceInOneOrderStage3,
                                         DeepSpeedZeroOptimizer_Stage3):
     """ZeRO-3 optimizer."""
 

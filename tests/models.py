@@ -170,3 +170,73 @@ class TinyGptOss(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = (x.float().abs() * 37).long() % self.VOCAB
         return self.lm(input_ids=ids, labels=ids).loss
+
+
+class ExpertBlock(nn.Module):
+    """An MoE block with separate expert modules, as remote-code MoE models write it.
+
+    The router is frozen and routes on the input (top-1), and an expert no token was routed to is not
+    called, so which experts get a gradient depends on each rank's data.
+    """
+
+    EXPERTS = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, self.EXPERTS, bias=False)
+        self.router.requires_grad_(False)
+        with torch.no_grad():  # routes on the first EXPERTS input features: a token goes where it is largest
+            self.router.weight.copy_(torch.eye(self.EXPERTS, 8))
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(self.EXPERTS))
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(h[rows]))
+        return out
+
+
+class ExpertMoE(nn.Module):
+    """A regression model around one :class:`ExpertBlock`; ``expert_batch`` builds tokens for chosen experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.moe = ExpertBlock()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return (self.head(torch.relu(self.moe(x, h) + h)) - y).pow(2).mean()
+
+
+def expert_batch(experts: list[int], seed: int, tokens_per_expert: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens routed to ``experts`` by :class:`ExpertMoE`'s router, and regression targets."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for e in experts:
+        for _ in range(tokens_per_expert):
+            x = torch.randn(8, generator=g) * 0.5
+            x[e] = 3.0 + torch.rand(1, generator=g).item()
+            rows.append(x)
+    x = torch.stack(rows)
+    return x, torch.randn(len(rows), 1, generator=g)
+
+
+class OptionalTower(nn.Module):
+    """A model whose vision tower runs only for samples that carry an image (``image`` is ``None`` otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.tower = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if image is not None:
+            h = h + self.tower(image)
+        return (self.head(h) - y).pow(2).mean()

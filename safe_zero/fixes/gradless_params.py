@@ -1,24 +1,50 @@
-"""Trainable parameters that get no gradient (every DeepSpeed release up to 0.19.8).
+"""Trainable parameters without a gradient on some or all ranks (every DeepSpeed release up to 0.19.8).
 
-A parameter with ``requires_grad=True`` whose autograd function returns ``None`` for it
-(FP-Quant's ``dqweight`` in pseudo-quantization without master weights) still fires its
-post-accumulate-grad hook. ZeRO-2 then reads ``param.grad.view`` (``AttributeError:
-'NoneType' object has no attribute 'view'``) and ZeRO-3 ``param.grad.numel()`` in
-``__add_grad_to_ipg_bucket``. ZeRO-1 only reduces at the step and copes.
+DDP's rule (``find_unused_parameters=True``) is the reference: a parameter a rank did not use
+contributes a zero gradient to the average, so data-parallel training equals single-process
+training on the global batch. Stock ZeRO breaks it three ways:
 
-The fix hands such a parameter a zero gradient right before DeepSpeed's hook body reads it,
-the way DDP treats unused parameters. Every rank then puts the same parameters into the same
-buckets, so the collectives stay matched even when only some ranks saw ``None``.
+- **No gradient although the hook fires.** A parameter whose autograd function returns ``None``
+  for it (FP-Quant's ``dqweight`` without master weights) still fires its post-accumulate-grad
+  hook. ZeRO-2 then reads ``param.grad.view`` (``AttributeError: 'NoneType' object has no
+  attribute 'view'``, ``stage_1_and_2.py`` ``reduce_independent_p_g_buckets_and_remove_grads``)
+  and ZeRO-3 ``param.grad.numel()`` (``stage3.py`` ``__add_grad_to_ipg_bucket``).
+- **Ranks that use different parameters (ZeRO-1/2).** ZeRO-2 (and ZeRO-1 with ``overlap_comm``)
+  appends each gradient to its reduce bucket in the order the hooks fire
+  (0.19.8 ``stage_1_and_2.py:1414-1470`` ``reduce_independent_p_g_buckets_and_remove_grads``) and
+  reduces the bucket as one flat tensor (``average_tensor``). When rank 0 used experts 0 and 1 and
+  rank 1 experts 2 and 3, the buckets hold different parameters at the same offsets and the
+  all-reduce adds expert 0's gradient to expert 2's: every step trains silently wrong.
+  ZeRO-1 without ``overlap_comm`` walks the groups in order but skips parameters whose gradient
+  is ``None`` (``reduce_gradients``, ``stage_1_and_2.py:958-980``): the same mix-up.
+- **The same for ZeRO-3 parameters outside leaf modules** (``stage3.py``
+  ``reduce_ready_partitions_and_remove_grads`` -> ``__add_grad_to_ipg_bucket``, hook order).
 
-What happens to the value: a zero gradient leaves it bit-identical under Adam/AdamW without
-weight decay and under SGD without weight decay (Adam's update is ``0 / (0 + eps) = 0``).
-Decoupled weight decay still applies to it, as to any parameter in its group: put such
-parameters in a param group with ``weight_decay=0`` (or freeze them) if they must not decay.
+The fix has one mechanism for all of them. At the first gradient hook of a backward that reduces,
+each rank asks autograd which trainable parameters this backward will reach
+(``torch._C._will_engine_execute_node``, as DeepSpeed's own ``count_used_parameters_in_backward``
+does), and the ranks agree in one all-reduce (MIN over a ``uint8`` flag per parameter, one byte per
+trainable parameter, per data-parallel group). Parameters every rank reaches go through DeepSpeed's
+hook path unchanged. The others are held back and reduced at the backward's epilogue, in parameter
+order, on every rank, with a zero gradient where a rank has none -- also when no rank has one, like
+a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
+layout. On a model where every rank uses every parameter nothing is held back: the only cost is
+the agreement all-reduce (none at world size 1, and none on ZeRO-1 without ``overlap_comm``,
+whose single ordered pass only needs the zeros).
+
+ZeRO-3 gathers parameters module by module, so a module that some ranks skip also desynchronises
+the gathers. MoE blocks whose experts are separate modules are therefore made ZeRO-3 leaf modules
+(``safe_zero.leaf_modules``): gathered whole on every rank, with DeepSpeed's leaf backward hook
+zero-filling the experts a rank did not use.
+
+What happens to a value: a zero gradient leaves a parameter that no rank used bit-identical under
+Adam/AdamW and SGD without weight decay (Adam's update is ``0 / (0 + eps) = 0`` until it has
+momentum). Decoupled weight decay still applies, as to any parameter in its group.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -28,36 +54,185 @@ from safe_zero.session import session_for
 
 FIX = Fix(
     name="gradless_params",
-    summary="give trainable parameters that autograd left without a gradient a zero gradient (ZeRO-2/3)",
+    summary="reduce every trainable parameter in one order on every rank, with a zero gradient where a rank has "
+            "none (DDP's rule for unused parameters; ZeRO-1/2/3)",
     needed_on=SpecifierSet(">=0.18.0"),
 )
 
 
-def _fill_missing_grad(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any) -> None:
-    if param.requires_grad:
-        param.grad = torch.zeros(shape, dtype=param.dtype, device=device)
-        session = session_for(wrapper)
-        if not getattr(param, "_safe_zero_gradless_reported", False):
-            session.engaged(FIX, f"parameter of shape {tuple(shape)} had no gradient; reduced as zeros")
-            param._safe_zero_gradless_reported = True
+def _node(param: torch.Tensor) -> Any:
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+    with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
+        return _get_grad_fn_or_grad_acc(param)
 
 
-class ZeroFillMissingGradsStage12:
-    """Mixin for ``DeepSpeedZeroOptimizer``: fills the gradient in the per-parameter hook body."""
+def _reached(params: list[torch.Tensor]) -> list[bool]:
+    """Whether the running backward will reach each parameter's gradient accumulator."""
+    return [bool(torch._C._will_engine_execute_node(node)) if (node := _node(p)) is not None else False
+            for p in params]
+
+
+class Agreement:
+    """The parameters of one backward that some rank does not reach: they are reduced at the epilogue, in order."""
+
+    def __init__(self, graph_task: int, held: set[int]) -> None:
+        self.graph_task = graph_task
+        self.held = held
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return id(param) in self.held
+
+
+def agree(params_by_group: Iterable[tuple[Any, list[torch.Tensor]]]) -> set[int]:
+    """One MIN all-reduce of a reached-flag per parameter per process group; the ids of those some rank misses."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    held: set[int] = set()
+    for group, params in params_by_group:
+        if not params:
+            continue
+        flags = torch.tensor(_reached(params), dtype=torch.uint8, device=get_accelerator().current_device_name())
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        held.update(id(p) for p, everywhere in zip(params, flags.tolist()) if not everywhere)
+    return held
+
+
+def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any,
+                  why: str = "had no gradient") -> None:
+    """Give ``param`` a zero gradient of its full ``shape`` (also when ZeRO-3 has already released its data)."""
+    zeros = torch.zeros(shape, dtype=param.dtype, device=device)
+    if param.shape == zeros.shape:
+        param.grad = zeros
+    else:  # a released ZeRO-3 parameter: autograd refuses a grad of another shape, DeepSpeed sets .data the same way
+        param.grad = torch.zeros_like(param)
+        param.grad.data = zeros
+    if not getattr(param, "_safe_zero_gradless_reported", False):
+        session_for(wrapper).engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
+        param._safe_zero_gradless_reported = True
+
+
+class _AgreesOnReducedParams:
+    """Per-backward agreement state shared by the ZeRO-1/2 and ZeRO-3 mixins."""
+
+    _safe_zero_agreement: Agreement | None = None
+
+    def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        raise NotImplementedError
+
+    def _agreement(self) -> Agreement | None:
+        """This backward's agreement, made at its first reducing hook; ``None`` where no rank can differ."""
+        graph_task = torch._C._current_graph_task_id()
+        agreement = self._safe_zero_agreement
+        if agreement is None or agreement.graph_task != graph_task:
+            agreement = self._safe_zero_agreement = Agreement(graph_task, agree(self._reduced_params_by_group()))
+            if agreement.held and not getattr(self, "_safe_zero_held_reported", False):
+                session_for(self).engaged(FIX, "parameters some ranks did not use were reduced in parameter order "
+                                               "with zero gradients from those ranks")
+                self._safe_zero_held_reported = True
+        return agreement
+
+    def _take_held(self) -> set[int]:
+        agreement, self._safe_zero_agreement = self._safe_zero_agreement, None
+        return agreement.held if agreement is not None else set()
+
+
+def _data_parallel_world(wrapper: Any) -> int:
+    from deepspeed import comm as dist
+
+    return dist.get_world_size(group=wrapper.dp_process_group)
+
+
+class ReduceInOneOrderStage12(_AgreesOnReducedParams):
+    """Mixin for ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, every reduction route)."""
+
+    def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for i, group in enumerate(self.bit16_groups):
+            process_group = self.real_dp_process_group[i]
+            by_group.setdefault(id(process_group), (process_group, []))[1].extend(
+                p for p in group if p.requires_grad)
+        return list(by_group.values())
+
+    def _reduces_in_hooks(self) -> bool:
+        # The conditions of stock process_gradients / reduce_ready_partitions_and_remove_grads: else the hooks
+        # only accumulate (or DeepSpeed's coalesce_grad_reduction defers them itself).
+        if getattr(self, "_coalesce_grad_reduction", False) or not (self.partition_gradients or self.overlap_comm):
+            return False
+        boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
+        return bool(self.partition_gradients or (boundary() if callable(boundary) else boundary))
+
+    def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
+        if self.use_grad_accum_attribute and param.grad is None and getattr(param, "grad_accum", None) is not None:
+            return  # earlier micro-steps left it a gradient
+        zero_grad_for(self, param, param.shape, param.device, why)
 
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
-        # Runs per parameter per step: the cheap test first.
-        if param.grad is None and session_for(self).uses(FIX):
-            _fill_missing_grad(self, param, param.shape, param.device)
+        # Runs per parameter per step: the cheap tests first.
+        if session_for(self).uses(FIX):
+            if (self._reduces_in_hooks() and _data_parallel_world(self) > 1
+                    and self._agreement().holds(param)):
+                return  # reduced at the epilogue, in parameter order, on every rank
+            if param.grad is None:
+                self._zero_fill(param, "had no gradient")
         super().process_gradients(param, i)
 
+    def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
+        # ZeRO-1 without overlap_comm reduces in one ordered pass here, skipping None gradients: fill them.
+        if session_for(self).uses(FIX) and not self.overlap_comm:
+            for group in self.bit16_groups:
+                for param in group:
+                    if param.requires_grad and self.get_gradient_for_reduction(param) is None:
+                        self._zero_fill(param, "was not used on this rank")
+        super().reduce_gradients(pipeline_parallel)
 
-class ZeroFillMissingGradsStage3:
-    """Mixin for ``DeepSpeedZeroOptimizer_Stage3``: fills the gradient in the per-parameter hook body."""
+    def independent_gradient_partition_epilogue(self) -> None:
+        held = self._take_held()
+        if held:
+            for i, group in enumerate(self.bit16_groups):
+                for param in group:
+                    if id(param) in held:
+                        if param.grad is None:
+                            self._zero_fill(param, "was not used on this rank")
+                        super().process_gradients(param, i)
+        super().independent_gradient_partition_epilogue()
+
+
+class ReduceInOneOrderStage3(_AgreesOnReducedParams):
+    """Mixin for ``DeepSpeedZeroOptimizer_Stage3``: the same for parameters outside ZeRO-3 leaf modules
+    (a leaf module's backward hook already reduces all of its parameters, zero-filled, in order)."""
+
+    def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        from deepspeed.utils import z3_leaf_parameter
+
+        params = [p for group in self.fp16_groups for p in group if p.requires_grad and not z3_leaf_parameter(p)]
+        return [(self.dp_process_group, params)]
+
+    def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        # The parameter may already be re-partitioned here: size the gradient from ds_shape.
+        zero_grad_for(self, param, param.ds_shape, get_accelerator().current_device_name(), why)
 
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
-        if param.grad is None and session_for(self).uses(FIX):
-            # The parameter may already be re-partitioned here: size the gradient from ds_shape.
-            from deepspeed.accelerator import get_accelerator
-            _fill_missing_grad(self, param, param.ds_shape, get_accelerator().current_device_name())
+        if session_for(self).uses(FIX):
+            from deepspeed.utils import z3_leaf_parameter
+
+            if (not z3_leaf_parameter(param) and _data_parallel_world(self) > 1
+                    and self._agreement().holds(param)):
+                return
+            if param.grad is None:
+                self._zero_fill(param, "had no gradient")
         super().reduce_ready_partitions_and_remove_grads(param, *args)
+
+    def independent_gradient_partition_epilogue(self) -> None:
+        held = self._take_held()
+        if held:
+            for group in self.fp16_groups:
+                for param in group:
+                    if id(param) in held:
+                        if param.grad is None:
+                            self._zero_fill(param, "was not used on this rank")
+                        super().reduce_ready_partitions_and_remove_grads(param)
+        super().independent_gradient_partition_epilogue()

@@ -1,0 +1,70 @@
+"""ZeRO-3 leaf modules for MoE blocks whose experts are separate modules.
+
+ZeRO-3 gathers parameters module by module, as the forward reaches them. An MoE block that calls
+only the experts its tokens were routed to makes each rank gather a different set of experts: the
+ranks' all-gathers no longer match, and from the second step DeepSpeed's trace check stops with
+``Detected a disagreement on list contents`` (``runtime/zero/utils.py``
+``assert_ints_same_as_other_ranks``). A ZeRO-3 *leaf module* is gathered whole when it is entered,
+on every rank, and its backward hook reduces all of its parameters in order, zero-filling the
+experts a rank did not use (``stage3.py`` ``reduce_leaf_module_grads``): DDP's rule.
+
+DeepSpeed ships a short default list of leaf classes (Mixtral, Qwen2-MoE, Qwen3-MoE) and users
+otherwise write their own per model. safe_zero detects the pattern instead: a module whose
+``experts`` child is an ``nn.ModuleList`` (remote-code DeepSeek/Kimi/MiniMax-style blocks, most custom
+MoE layers). Transformers' fused 3-D experts are single parameters and need nothing. The
+``"safe_zero": {"leaf_modules": {"add": [...], "remove": [...]}}`` block adds or removes classes
+(by class name or ``module.QualName``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import nn
+
+
+def _names(klass: type) -> set[str]:
+    return {klass.__name__, f"{klass.__module__}.{klass.__qualname__}"}
+
+
+def _matches(module: nn.Module, classes: Iterable[str]) -> bool:
+    wanted = set(classes)
+    return any(_names(klass) & wanted for klass in type(module).__mro__)
+
+
+def moe_blocks(model: nn.Module, add: Iterable[str] = (), remove: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """The modules of ``model`` to gather whole under ZeRO-3, by qualified name.
+
+    A module whose ``experts`` child is an ``nn.ModuleList``, plus modules of the ``add`` classes,
+    minus modules of the ``remove`` classes. An outer block wins over a detected block inside it.
+    """
+    add, remove = list(add), list(remove)
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        # The root stays a container: DeepSpeed's ZeRO-3 hooks on the whole model are not a leaf's.
+        if not name or any(name.startswith(f"{outer}.") for outer in found):
+            continue
+        detected = isinstance(getattr(module, "experts", None), nn.ModuleList) or _matches(module, add)
+        if detected and not _matches(module, remove):
+            found[name] = module
+    return found
+
+
+def make_moe_blocks_leaves(model: Any, config: dict[str, Any] | None, session: Any) -> dict[str, nn.Module]:
+    """Mark the MoE blocks of a ZeRO-3 model as leaf modules (when the ``gradless_params`` fix is on); report them."""
+    from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
+
+    from safe_zero.fixes.gradless_params import FIX
+
+    stage = int(((config or {}).get("zero_optimization") or {}).get("stage", 0) or 0)
+    if stage != 3 or not isinstance(model, nn.Module) or not session.uses(FIX):
+        return {}
+    options = session.options.leaf_modules
+    blocks = moe_blocks(model, options.get("add", ()), options.get("remove", ()))
+    new = {name: module for name, module in blocks.items() if not z3_leaf_module(module)}
+    for module in new.values():
+        set_z3_leaf_module(module, True)
+    if new:
+        classes = sorted({type(m).__name__ for m in new.values()})
+        session.engaged(FIX, f"{len(new)} MoE block(s) gathered whole as ZeRO-3 leaf modules ({', '.join(classes)})")
+    return blocks

@@ -1,0 +1,42 @@
+"""Which modules safe_zero gathers whole under ZeRO-3, and how the "safe_zero" block changes that."""
+
+import pytest
+from torch import nn
+
+from safe_zero.doctor import analyse_model
+from safe_zero.leaf_modules import moe_blocks
+from safe_zero.options import SafeZeroConfigError, SafeZeroOptions
+from tests.models import Control, ExpertMoE, build
+
+
+def test_a_block_with_an_experts_module_list_is_detected_and_the_root_never_is():
+    model = build(ExpertMoE)
+    assert list(moe_blocks(model)) == ["moe"]
+    assert moe_blocks(build(Control)) == {}
+    root = nn.Module()
+    root.experts = nn.ModuleList([nn.Linear(2, 2)])
+    assert moe_blocks(root) == {}, "the whole model is DeepSpeed's root module, never a leaf"
+
+
+def test_the_options_add_and_remove_classes():
+    model = build(ExpertMoE)
+    assert list(moe_blocks(model, remove=["ExpertBlock"])) == []
+    assert list(moe_blocks(model, remove=["tests.models.ExpertBlock"])) == []
+    assert list(moe_blocks(model, add=["Linear"], remove=["ExpertBlock"])) == ["inp", "moe.router", "moe.experts.0",
+                                                                               "moe.experts.1", "moe.experts.2",
+                                                                               "moe.experts.3", "head"]
+    # An added class inside a detected block stays inside it: the outer block is gathered whole.
+    assert list(moe_blocks(model, add=["Linear"]))[:2] == ["inp", "moe"]
+
+
+def test_the_doctor_lists_the_blocks_of_a_model():
+    assert analyse_model(build(ExpertMoE))["zero3_leaf_modules"] == {"moe": "ExpertBlock"}
+
+
+def test_leaf_module_options_are_validated():
+    options = SafeZeroOptions.from_config({"safe_zero": {"leaf_modules": {"add": ["MyBlock"]}}})
+    assert options.leaf_modules == {"add": ["MyBlock"]}
+    with pytest.raises(SafeZeroConfigError, match="leaf_modules"):
+        SafeZeroOptions.from_config({"safe_zero": {"leaf_modules": {"add": "MyBlock"}}})
+    with pytest.raises(SafeZeroConfigError, match="leaf_modules"):
+        SafeZeroOptions.from_config({"safe_zero": {"leaf_modules": {"include": ["MyBlock"]}}})
