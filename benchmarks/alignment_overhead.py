@@ -69,6 +69,24 @@ def overhead(model: torch.nn.Module) -> dict:
             "parameter_alignment %": 100.0 * deepspeed_pad / flat, "safe_zero order pad": 0}
 
 
+def zero3_overhead(model: torch.nn.Module, world_size: int) -> dict:
+    """ZeRO-3 at ``world_size`` ranks: what safe_zero adds to stock's partitions and to the all-reduce fetch buffer.
+
+    safe_zero keeps stock's partitions at >= 2 ranks (every all-gather builds a fresh, aligned buffer), so the
+    partitions gain nothing; the all-reduce fetch slot of each parameter (``ds_numel_aligned``, a multiple of the
+    world size) is rounded up to whole 16-byte units, in the transient gather buffer only.
+    """
+    grid = ALIGNMENT_BYTES // BF16
+    detected = {id(p) for p in grouped_mm_parameters(model).values()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    slots = [world_size * -(-p.numel() // world_size) for p in params]
+    extra = [((-slot) % grid) * BF16 for slot in slots]
+    return {"params": len(params), "partition pad": 0, "all-reduce slot pad": sum(extra),
+            "all-reduce slot pad max per param": max(extra),
+            "grouped_mm partitions off whole 16-byte units": sum(
+                1 for p in params if id(p) in detected and -(-p.numel() // world_size) * BF16 % ALIGNMENT_BYTES)}
+
+
 def main() -> None:
     models = {
         "tiny GPT-OSS (hidden 64, 4 experts x 64 x 32, 1 layer)":
@@ -91,6 +109,11 @@ def main() -> None:
               f"({row['parameter_alignment %']:.2e} % of the buffer)")
         print(f"  safe_zero flat-buffer order: {row['safe_zero order pad']} bytes of padding, "
               f"{row['misaligned in safe_zero order']} grouped_mm weights off the grid")
+        z3 = zero3_overhead(build(), world_size=3)
+        print(f"  ZeRO-3 at 3 ranks: {z3['grouped_mm partitions off whole 16-byte units']} grouped_mm partitions not "
+              f"whole 16-byte units; safe_zero adds {z3['partition pad']} B to partitions and "
+              f"{z3['all-reduce slot pad']} B (max {z3['all-reduce slot pad max per param']} B per parameter) to the "
+              "all-reduce fetch buffer")
 
 
 if __name__ == "__main__":

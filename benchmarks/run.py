@@ -63,7 +63,7 @@ def import_ms(repeats: int = 5) -> float:
 def alignment_overhead() -> list[dict] | None:
     """Padding DeepSpeed's parameter_alignment adds (safe_zero's reordered routes add none), per layout."""
     try:
-        from benchmarks.alignment_overhead import gpt_oss, overhead
+        from benchmarks.alignment_overhead import gpt_oss, overhead, zero3_overhead
     except ImportError:
         return None
     layouts = {
@@ -82,7 +82,8 @@ def alignment_overhead() -> list[dict] | None:
         rows.append({"layout": name, "bytes": r["parameter_alignment pad"], "percent": r["parameter_alignment %"],
                      "max_per_param": per_param, "grouped_mm_weights": r["grouped_mm weights"],
                      "misaligned_stock": r["misaligned in stock layout"],
-                     "misaligned_safe_zero_order": r["misaligned in safe_zero order"]})
+                     "misaligned_safe_zero_order": r["misaligned in safe_zero order"],
+                     "zero3_ws3": zero3_overhead(model, world_size=3)})
     return rows
 
 
@@ -125,6 +126,12 @@ def main() -> int:
                      f"{row['misaligned_stock']} of {row['grouped_mm_weights']} (unpadded flat order) | "
                      f"{row['misaligned_safe_zero_order']} of {row['grouped_mm_weights']} (safe_zero order, 0 B padding) "
                      f"| | 0 |")
+        z3 = row["zero3_ws3"]
+        lines.append(f"| ZeRO-3 at 3 ranks, {row['layout']}: padding safe_zero adds | | "
+                     f"{z3['partition pad']} B in partitions, {z3['all-reduce slot pad']} B in the all-reduce fetch "
+                     f"buffer | max {z3['all-reduce slot pad max per param']} B per parameter "
+                     f"({z3['grouped_mm partitions off whole 16-byte units']} grouped_mm partitions not whole 16-byte "
+                     "units) | <= 15 B per parameter |")
     with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

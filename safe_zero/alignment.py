@@ -213,9 +213,12 @@ def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, se
         opted_out = '"safe_zero": {"alignment": false}'
     elif user_alignment is False and stage in (1, 2):
         opted_out = '"zero_optimization": {"parameter_alignment": false}'
-    active = opted_out is None and (options.alignment is True or bool(params))
+    # The user's parameter_alignment asks for alignment on every route, also those DeepSpeed leaves unpadded
+    # (BF16_Optimizer, fused stage 0, ZeRO-3): safe_zero honours it there like "alignment": true.
+    everything = opted_out is None and (options.alignment is True or user_alignment is True)
+    active = everything or (opted_out is None and bool(params))
     plan = AlignmentPlan(params=params, active=active, guard=active and options.alignment_guard,
-                         everything=options.alignment is True)
+                         everything=everything)
     session.alignment = plan
 
     if active and params and stage == 3 and _tight_all_reduce_fetch(zero) and _world_size() > 1:

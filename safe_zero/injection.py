@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import deepspeed
+import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
@@ -149,24 +150,49 @@ def check_precision(config: Mapping[str, Any] | None) -> None:
             '"bf16": {"enabled": true} in the DeepSpeed config (Lightning: precision="bf16-mixed").')
 
 
-def check_reachable(config: Mapping[str, Any] | None) -> None:
-    """Refuse modes that build classes safe_zero cannot swap, instead of running them stock."""
+def unreachable_modes(config: Mapping[str, Any] | None) -> list[str]:
+    """The modes ``config`` selects whose classes the injection cannot reach (DeepSpeed binds them at import)."""
     if not config:
-        return
+        return []
     zero = config.get("zero_optimization") or {}
     offload_optimizer = zero.get("offload_optimizer") or {}
-    unreachable = []
+    modes = []
     if zero.get("zenflow"):
-        unreachable.append("ZenFlow (zero_optimization.zenflow)")
+        modes.append("ZenFlow (zero_optimization.zenflow)")
     if offload_optimizer.get("super_offload"):
-        unreachable.append("SuperOffload (zero_optimization.offload_optimizer.super_offload)")
+        modes.append("SuperOffload (zero_optimization.offload_optimizer.super_offload)")
     if (config.get("compile") or {}).get("deepcompile"):
-        unreachable.append("DeepCompile (compile.deepcompile)")
-    if unreachable:
+        modes.append("DeepCompile (compile.deepcompile)")
+    return modes
+
+
+def fixes_the_model_needs(model: Any, plan: alignment.AlignmentPlan) -> list[str]:
+    """What safe_zero would have to fix in ``model``, as far as it shows before training: zero-element
+    trainable parameters and grouped_mm weights to keep aligned. (A parameter autograd leaves without a
+    gradient only shows in backward; stock DeepSpeed fails on it in these modes as it does elsewhere.)"""
+    needs = []
+    if isinstance(model, torch.nn.Module):
+        empty = [name for name, p in model.named_parameters()
+                 if p.requires_grad and getattr(p, "ds_numel", p.numel()) == 0]
+        if empty:
+            needs.append(f"zero-element parameter(s) {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}")
+    if plan.active:
+        needs.append(f"16-byte alignment of grouped_mm weight(s) {', '.join(list(plan.params)[:3]) or '(alignment: true)'}")
+    return needs
+
+
+def check_reachable(config: Mapping[str, Any] | None, model: Any = None,
+                    plan: alignment.AlignmentPlan = alignment.NO_PLAN) -> list[str]:
+    """Decide what to do with a mode the injection cannot reach: the modes to run stock when ``model``
+    needs no fix (never worse than stock), an :class:`UnreachableModeError` when it needs one."""
+    modes = unreachable_modes(config)
+    needs = fixes_the_model_needs(model, plan) if modes else []
+    if needs:
         raise UnreachableModeError(
-            f"safe_zero cannot inject its fixes into {', '.join(unreachable)}: DeepSpeed binds those classes at "
-            "import time. Turn the mode off to train with safe_zero, or call deepspeed.initialize directly to "
-            "run stock DeepSpeed (without safe_zero's fixes).")
+            f"safe_zero cannot inject its fixes into {', '.join(modes)}: DeepSpeed binds those classes at "
+            f"import time, and this model needs {'; '.join(needs)}. Turn the mode off to train with safe_zero; "
+            "with the mode on, stock DeepSpeed would train this model without those fixes.")
+    return modes
 
 
 _STOCK_WRAPPERS = (FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, DeepSpeedZeroOptimizer,
@@ -199,10 +225,18 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     arguments = bound.arguments
     config = resolve_config(arguments)
     session = Session(options=SafeZeroOptions.from_config(config))
-    check_reachable(config)
     check_precision(config)
     leaf_modules.make_moe_blocks_leaves(arguments.get("model"), config, session)
     adjusted = alignment.prepare_config(arguments.get("model"), config, session)
+    stock_modes = check_reachable(config, arguments.get("model"), alignment.plan_for(session))
+    if stock_modes:  # nothing to fix: the mode runs exactly as stock DeepSpeed runs it
+        from deepspeed.utils import log_dist
+
+        log_dist(f"safe_zero: no fix applies to this model under {', '.join(stock_modes)}; running stock DeepSpeed",
+                 ranks=[0], level=logging.WARNING)
+        result = _STOCK_INITIALIZE(*args, **kwargs)
+        result[0].safe_zero_session = session
+        return result
     if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
         alignment.pass_config(bound, adjusted)
         args, kwargs = bound.args, bound.kwargs

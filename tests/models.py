@@ -240,3 +240,48 @@ class OptionalTower(nn.Module):
         if image is not None:
             h = h + self.tower(image)
         return (self.head(h) - y).pow(2).mean()
+
+
+class _TinyCausalMoE(nn.Module):
+    """A tiny causal LM from Transformers' own modeling code with grouped_mm experts, fed by ``train``."""
+
+    VOCAB = 128
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        config = getattr(transformers, self.CONFIG)(vocab_size=self.VOCAB, max_position_embeddings=64, **self.SIZES)
+        self.lm = getattr(transformers, self.MODEL)(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.float().abs() * 37).long() % self.VOCAB
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+class TinyDeepseekV3(_TinyCausalMoE):
+    """DeepSeek-V3: hidden 64, 2 MoE layers, 4 routed experts of width 32, one shared expert (issue 15's model)."""
+
+    CONFIG, MODEL = "DeepseekV3Config", "DeepseekV3ForCausalLM"
+    SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+                 num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16,
+                 q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+
+
+class TinyQwen3Moe(_TinyCausalMoE):
+    """Qwen3-MoE: hidden 64, 1 layer, 4 experts of width 32."""
+
+    CONFIG, MODEL = "Qwen3MoeConfig", "Qwen3MoeForCausalLM"
+    SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2)
+
+
+class TinyOlmoe(_TinyCausalMoE):
+    """OLMoE: hidden 64, 1 layer, 4 experts of width 32."""
+
+    CONFIG, MODEL = "OlmoeConfig", "OlmoeForCausalLM"
+    SIZES = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)

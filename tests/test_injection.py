@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from tests.models import Control, ZeroSized, build, ds_config, train
+from tests.models import Control, OddExperts, ZeroSized, build, ds_config, train
 from tests.rig import RankFailure
 
 
@@ -144,16 +144,42 @@ def test_a_fix_switched_off_in_the_config_is_really_off(ranks, stage):
         ranks.run(1, _fixes_can_be_switched_off, stage=stage)
 
 
-@pytest.mark.parametrize("config, mode", [
+UNREACHABLE_MODES = [
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}}, "SuperOffload"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
     ({"zero_optimization": {"stage": 3}, "compile": {"deepcompile": True}}, "DeepCompile"),
-])
-def test_modes_the_injection_cannot_reach_are_refused_not_run_stock(config, mode):
+]
+
+
+@pytest.mark.parametrize("config, mode", UNREACHABLE_MODES)
+def test_a_mode_the_injection_cannot_reach_runs_stock_when_the_model_needs_no_fix(monkeypatch, caplog, config, mode):
+    # Never worse than stock: nothing in the model for safe_zero to fix, so the mode runs exactly as stock runs it
+    # (ZenFlow and SuperOffload need CPU Adam / GPU ops to build; the decision is what is tested here).
+    import safe_zero
+    from safe_zero import injection
+
+    calls = []
+
+    def stock_initialize(*args, **kwargs):
+        calls.append({"bindings_stock": all(now is b.stock for now, b in zip(_bindings_now(), injection.BINDINGS)),
+                      "config": kwargs.get("config")})
+        return (types.SimpleNamespace(), None, None, None)
+
+    monkeypatch.setattr(injection, "_STOCK_INITIALIZE", stock_initialize)
+    with caplog.at_level("WARNING"):
+        engine, *_ = safe_zero.initialize(model=Control(), config=config)
+    assert calls == [{"bindings_stock": True, "config": config}]
+    assert engine.safe_zero_session.report == {}
+    assert any(f"no fix applies to this model under {mode}" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("config, mode", UNREACHABLE_MODES)
+@pytest.mark.parametrize("model_cls, need", [(ZeroSized, "zero-element parameter"), (OddExperts, "grouped_mm")])
+def test_a_mode_the_injection_cannot_reach_is_refused_where_the_model_needs_a_fix(config, mode, model_cls, need):
     import safe_zero
 
-    with pytest.raises(safe_zero.UnreachableModeError, match=mode):
-        safe_zero.initialize(model=Control(), config=config)
+    with pytest.raises(safe_zero.UnreachableModeError, match=f"{mode}.*this model needs .*{need}"):
+        safe_zero.initialize(model=build(model_cls), config=config)
 
 
 def test_fp16_on_the_cpu_accelerator_gets_an_actionable_error():

@@ -7,7 +7,8 @@ byte size is not a multiple of 16 (GPT-OSS's 2-element attention sinks, a 4-elem
 bias) pushes every later slice off the 16-byte grid, and CUDA grouped_mm then refuses the expert
 weights ("expected data_ptr to be aligned to 16 bytes").
 
-The fix orders each group that holds a grouped_mm weight before DeepSpeed flattens it: every
+Where the stock order leaves a grouped_mm weight off the grid (and only there: elsewhere the layout
+and the checkpoints stay stock's), the fix orders its group before DeepSpeed flattens it: every
 parameter whose size is a whole number of 16-byte units first (in their original order), then
 the rest. The buffer starts on the grid, so each weight of that prefix does too, with no padding
 at all: the buffers keep their size, the views stay zero-copy, and nothing in DeepSpeed's offset
@@ -30,11 +31,14 @@ route that DeepSpeed >= 0.19.7 pads itself, and on ZeRO-3 after every gather.
 ZeRO-3, measured on CPU (bf16, a 3-element parameter ahead of the expert weight, forward and
 backward alike): at world size 1 every gather path (persistent, coalesced, single, all-reduce,
 offload_param) hands grouped_mm the rank's own partition, a view into the optimizer's flat buffer,
-14 bytes off the grid; at world size 2 the all-gather paths (persistent, coalesced, single,
-offload_param) build fresh buffers and are aligned, while ``stage3_use_all_reduce_for_fetch_params``
-is 8 bytes off (0.19.8) or 6 (0.18.9). ``AlignStage3SubGroups`` and ``AlignAllReduceFetch`` fix the
-first two; the all-reduce fetch of DeepSpeed < 0.19.8 packs parameters without any slack and is
-refused at initialize instead.
+14 bytes off the grid; at world size >= 2 the all-gather paths (persistent, coalesced, single,
+offload_param, ``GatheredParameters``) build fresh buffers and are aligned whatever the partition
+sizes (measured at 2, 3 and 4 ranks for DeepSeek-V3, GPT-OSS, Qwen3-MoE and OLMoE, where a
+partition is rarely a whole number of 16-byte units), while ``stage3_use_all_reduce_for_fetch_params``
+is 8 bytes off (0.19.8) or 6 (0.18.9). ``AlignStage3SubGroups`` therefore reorders only where a rank
+holds whole parameters (a partition group of one), so at world size >= 2 the layout, and the
+checkpoint, is stock's; ``AlignAllReduceFetch`` pads the all-reduce buffer; the all-reduce fetch of
+DeepSpeed < 0.19.8 packs parameters without any slack and is refused at initialize instead.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str,
                    nbytes: Callable[[torch.Tensor], int] = _nbytes) -> list[int]:
     """Positions of ``params`` in an order that puts every detected weight on the grid (raises if impossible)."""
     size = [nbytes(p) for p in params]
+    if _stock_order_aligned(params, size, plan):
+        return list(range(len(params)))  # stock's layout already serves grouped_mm: keep it (and its checkpoints)
     whole = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES == 0]
     rest = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES != 0]
     partial = [i for i in rest if plan.needs(params[i])]
@@ -80,6 +86,18 @@ def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str,
             "ZeRO-1/2 with bf16/fp16 and no fp32 gradient accumulation on DeepSpeed >= 0.19.7 pads any size "
             "(zero_optimization.parameter_alignment, which safe_zero turns on).")
     return whole + partial + [i for i in rest if i not in partial]
+
+
+def _stock_order_aligned(params: list[torch.Tensor], size: list[int], plan: AlignmentPlan) -> bool:
+    """Whether the stock order already starts every weight that needs the grid on it (with ``everything``: every
+    parameter whose size is a whole number of 16-byte units)."""
+    offset = 0
+    for param, nbytes in zip(params, size):
+        wanted = plan.needs(param) or (plan.everything and nbytes % ALIGNMENT_BYTES == 0)
+        if wanted and offset % ALIGNMENT_BYTES:
+            return False
+        offset += nbytes
+    return True
 
 
 def _reorder(group: list[Any], order: list[int]) -> list[Any]:
@@ -186,15 +204,22 @@ class AlignStage3SubGroups(RecordsFlatOrder):
     partition group of one), the gathered weight IS its partition, a view into the optimizer's flat lp buffer.
     Order each parameter group whole-16-byte partitions first before DeepSpeed cuts it into sub-groups.
 
+    With a partition group of two or more, every gather builds a fresh buffer, so the stock order stays: no
+    partition size has to be a whole number of 16-byte units (at 3 ranks they rarely are), and the flat
+    buffers, hence the checkpoints, are exactly stock's.
+
     The buffer holds the groups back to back, so a weight in a later parameter group is on the grid only if
     the groups before it are whole 16-byte units; the guard reports it otherwise.
     """
+
+    def _holds_whole_params(self) -> bool:
+        return self.partition_count == 1
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         session = session_for(self)
         plan = plan_for(session)
-        if plan.guard:  # the partition a rank holds whole is what grouped_mm will get: check it now
+        if plan.guard and self._holds_whole_params():  # grouped_mm will get the partition itself: check it now
             for sub_group in self.fp16_groups:
                 for param in sub_group:
                     held = param.ds_tensor
@@ -212,7 +237,7 @@ class AlignStage3SubGroups(RecordsFlatOrder):
         session = session_for(self)
         plan = plan_for(session)
         params_group = list(params_group)
-        if _wants(plan, session, params_group):
+        if self._holds_whole_params() and _wants(plan, session, params_group):
             order = _aligned_order(params_group, plan, "DeepSpeedZeroOptimizer_Stage3", nbytes=_partition_nbytes)
             if order != sorted(order):
                 params_group = _reorder(params_group, order)
