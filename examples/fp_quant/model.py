@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,11 +93,13 @@ def allow_trainer_fine_tuning(model: torch.nn.Module) -> None:
     quantizer.__class__ = _NonQuantizedPartsTrainable
 
 
-def summarize(report: dict[str, list[str]]) -> str:
-    """What each safe_zero fix did (``engine.safe_zero_session.report``), one line per fix, repeats counted."""
+def summarize(session: Any) -> str:
+    """What each safe_zero fix did (``engine.safe_zero_session``), one line per fix, repeats counted."""
     lines = []
-    for name, events in sorted(report.items()):
-        kinds = Counter(re.sub(r"\(\d+(, \d+)*\)", "(...)", event) for event in events)
+    for name, events in sorted(session.counts.items()):
+        kinds: Counter[str] = Counter()
+        for event, times in events.items():
+            kinds[re.sub(r"\(\d+(, \d+)*\)", "(...)", event)] += times
         lines.append(f"  {name}: " + "; ".join(f"{what}" + (f" (x{n})" if n > 1 else "") for what, n in kinds.items()))
     return "\n".join(lines)
 

@@ -51,12 +51,13 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(loss.float().item())
 
-    report = model.safe_zero_session.report  # the engine safe_zero built keeps what its fixes did
+    session = model.safe_zero_session  # the engine safe_zero built keeps what its fixes did
+    report = session.report
     print(f"[accelerate rank {accelerator.process_index}/{accelerator.num_processes}] "
           f"ZeRO-{accelerator.state.deepspeed_plugin.zero_stage} losses: {' '.join(f'{v:.4f}' for v in losses)}; "
           f"safe_zero engaged: {', '.join(sorted(report)) or 'none'}", flush=True)
     if accelerator.is_main_process:
-        print(summarize(report), flush=True)
+        print(summarize(session), flush=True)
     accelerator.end_training()  # waits for every process and tears the process group down
 
 

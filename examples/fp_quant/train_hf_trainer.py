@@ -65,12 +65,13 @@ def main() -> None:
 
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     engine = trainer.model_wrapped
-    report = engine.safe_zero_session.report
+    session = engine.safe_zero_session
+    report = session.report
     print(f"[hf_trainer rank {rank}/{world}] ZeRO-{engine.zero_optimization_stage()} losses: "
           f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {', '.join(sorted(report)) or 'none'}",
           flush=True)
     if rank == 0:
-        print(summarize(report), flush=True)
+        print(summarize(session), flush=True)
 
 
 if __name__ == "__main__":

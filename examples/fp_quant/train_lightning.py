@@ -57,10 +57,11 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(dataset(args.steps), batch_size=2))
 
-    report = trainer.strategy.model.safe_zero_session.report  # the engine safe_zero built: which fixes acted
+    session = trainer.strategy.model.safe_zero_session  # the engine safe_zero built: which fixes acted
+    report = session.report
     print(f"[lightning] ZeRO-{args.stage} losses: {' '.join(f'{v:.4f}' for v in module.losses)}; "
           f"safe_zero engaged: {', '.join(sorted(report)) or 'none'}", flush=True)
-    print(summarize(report), flush=True)
+    print(summarize(session), flush=True)
 
 
 if __name__ == "__main__":
