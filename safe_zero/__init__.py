@@ -11,27 +11,32 @@ Public API:
     grouped_mm_parameters  the parameters of a model that need 16-byte alignment.
 """
 
-from safe_zero._compat import SUPPORTED_DEEPSPEED, SafeZeroError, UnsupportedDeepSpeedError
+from safe_zero._compat import SUPPORTED_DEEPSPEED
 from safe_zero.alignment import (
-    AlignmentError,
-    AlignmentWarning,
     grouped_mm_parameters,
     is_aligned,
     mark_grouped_mm,
 )
 from safe_zero.fixes import FIXES, Fix
-from safe_zero.injection import (
+from safe_zero.errors import (
+    AlignmentError,
+    AlignmentWarning,
     DeepSpeedDriftError,
     InjectionError,
+    SafeZeroConfigError,
+    SafeZeroError,
     UnreachableModeError,
+    UnsupportedDeepSpeedError,
     UnsupportedPrecisionError,
+)
+from safe_zero.injection import (
     initialize,
     install,
     is_installed,
     uninstall,
     verify_bindings,
 )
-from safe_zero.options import SafeZeroConfigError, SafeZeroOptions
+from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
 from safe_zero.fixes.zero3_zero_element import get_fp32_state_dict_from_zero_checkpoint
 from safe_zero.zero_init import Init, zero_init

@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("model", nargs="?", help="'package.module:factory' or a local Hugging Face model directory")
     args = parser.parse_args(argv)
-    from safe_zero.op_builds import StaleBuildLockError
+    from safe_zero.errors import StaleBuildLockError
 
     try:
         if args.command == "demo":

@@ -7,15 +7,9 @@ from packaging.version import Version
 
 import deepspeed
 
+from safe_zero.errors import SafeZeroError, UnsupportedDeepSpeedError  # noqa: F401  (re-exported)
+
 SUPPORTED_DEEPSPEED = SpecifierSet(">=0.18.0,<0.20")
-
-
-class SafeZeroError(RuntimeError):
-    """Base class of every error safe_zero raises on purpose."""
-
-
-class UnsupportedDeepSpeedError(SafeZeroError):
-    """The installed DeepSpeed is outside the range safe_zero was built and tested for."""
 
 
 def _parse(version: str) -> Version:

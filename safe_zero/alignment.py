@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from safe_zero._compat import SafeZeroError
+from safe_zero.errors import AlignmentError, AlignmentWarning  # noqa: F401  (re-exported)
 
 ALIGNMENT_BYTES = 16
 
@@ -37,14 +37,6 @@ ALIGNMENT_BYTES = 16
 GROUPED_MM_IMPLEMENTATIONS = frozenset({"grouped_mm"})
 
 _MARK = "_safe_zero_grouped_mm"
-
-
-class AlignmentError(SafeZeroError):
-    """A grouped_mm weight is, or would be, off the 16-byte grid on this DeepSpeed route."""
-
-
-class AlignmentWarning(UserWarning):
-    """Alignment is needed by the model but was turned off by the user."""
 
 
 def mark_grouped_mm(target: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:

@@ -27,21 +27,11 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero import alignment, leaf_modules, wrappers
-from safe_zero._compat import SUPPORTED_DEEPSPEED, SafeZeroError, check_deepspeed_supported
+from safe_zero._compat import SUPPORTED_DEEPSPEED, check_deepspeed_supported
+from safe_zero.errors import (DeepSpeedDriftError, InjectionError, UnreachableModeError,  # noqa: F401  (re-exported)
+                              UnsupportedPrecisionError)
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session, set_current_session
-
-
-class DeepSpeedDriftError(SafeZeroError):
-    """A DeepSpeed name safe_zero rebinds is missing or is not the class it expects."""
-
-
-class UnreachableModeError(SafeZeroError):
-    """The config selects a DeepSpeed mode whose classes safe_zero's injection cannot reach."""
-
-
-class InjectionError(SafeZeroError):
-    """``initialize`` returned an engine that is not running safe_zero's classes."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +124,6 @@ def resolve_config(arguments: Mapping[str, Any]) -> dict[str, Any] | None:
             return dict(hjson.loads(text))
     # DeepSpeedConfig objects and the like: DeepSpeed validates those itself.
     return getattr(config, "_param_dict", None)
-
-
-class UnsupportedPrecisionError(SafeZeroError):
-    """The config asks for a precision the current accelerator cannot run."""
 
 
 def check_precision(config: Mapping[str, Any] | None) -> None:

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Callable
 
-from safe_zero._compat import SafeZeroError
+from safe_zero.errors import StaleBuildLockError  # noqa: F401  (re-exported)
 
 #: A build lock older than this, with no build process in its directory, was left by a killed build.
 STALE_AFTER_S = 300.0
@@ -25,10 +25,6 @@ STALE_AFTER_S = 300.0
 TYPICAL_BUILD = "about a minute on 2 CPU cores"
 #: The op every CPU process group loads (``deepspeed.comm.torch.build_shm_op``).
 SHM_COMM_BUILDER = "ShareMemCommBuilder"
-
-
-class StaleBuildLockError(SafeZeroError):
-    """A JIT build lock that no process holds: every process loading that op would wait on it forever."""
 
 
 def _say(message: str) -> None:

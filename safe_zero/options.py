@@ -19,15 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union
 
-from safe_zero._compat import SafeZeroError
+from safe_zero.errors import SafeZeroConfigError  # noqa: F401  (re-exported)
 
 Setting = Union[Literal["auto"], bool]
 
 CONFIG_KEY = "safe_zero"
-
-
-class SafeZeroConfigError(SafeZeroError, ValueError):
-    """The ``"safe_zero"`` config block is malformed."""
 
 
 @dataclass(frozen=True)

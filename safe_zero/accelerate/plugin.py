@@ -13,7 +13,7 @@ from safe_zero.accelerate.routing import (
     install_on_request,
     opt_in,
 )
-from safe_zero.injection import UnreachableModeError
+from safe_zero.errors import UnreachableModeError
 from safe_zero.options import CONFIG_KEY
 
 

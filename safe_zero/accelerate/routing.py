@@ -20,8 +20,8 @@ from typing import Any, Mapping
 import deepspeed
 
 from safe_zero import chaining
-from safe_zero._compat import SafeZeroError
-from safe_zero.injection import InjectionError, _LOCK, _STOCK_INITIALIZE, _STOCK_SIGNATURE, resolve_config
+from safe_zero.errors import InjectionError, WorldSizeMismatchError  # noqa: F401  (re-exported)
+from safe_zero.injection import _LOCK, _STOCK_INITIALIZE, _STOCK_SIGNATURE, resolve_config
 from safe_zero.options import CONFIG_KEY, SafeZeroOptions
 from safe_zero.session import Session
 
@@ -174,10 +174,6 @@ def cpu_distributed_state() -> bool:
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend=get_accelerator().communication_backend_name())
     return True
-
-
-class WorldSizeMismatchError(SafeZeroError):
-    """Accelerate's state counts a different number of processes than the DeepSpeed process group."""
 
 
 def check_world_size(how_to_fix: str | None = None) -> None:

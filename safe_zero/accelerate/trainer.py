@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from safe_zero._compat import SafeZeroError
+from safe_zero.errors import SafeZeroError
 from safe_zero.accelerate.routing import check_routed, check_world_size, install_on_request, session_of, opt_in
 from safe_zero.injection import verify_engine
 

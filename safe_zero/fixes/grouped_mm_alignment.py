@@ -48,7 +48,8 @@ from typing import Any, Callable
 import torch
 from packaging.specifiers import SpecifierSet
 
-from safe_zero.alignment import ALIGNMENT_BYTES, AlignmentError, AlignmentPlan, plan_for
+from safe_zero.alignment import ALIGNMENT_BYTES, AlignmentPlan, plan_for
+from safe_zero.errors import AlignmentError
 from safe_zero.fixes._base import Fix
 from safe_zero.session import session_for
 

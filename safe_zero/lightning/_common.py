@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from safe_zero._compat import SafeZeroError
+from safe_zero.errors import InjectionError, PrecisionFallbackWarning, SafeLightningError  # noqa: F401  (re-exported)
 from safe_zero.options import CONFIG_KEY
 
 #: A safe strategy's registry name is Lightning's name with this prefix.
@@ -31,14 +31,6 @@ SAFE_PREFIX = "safe_"
 #: The Lightning methods that call ``deepspeed.initialize``, per API; the safe strategies route each one.
 TRAINER_INITIALIZE_METHODS = ("_setup_model_and_optimizer", "_initialize_deepspeed_inference")
 FABRIC_INITIALIZE_METHODS = ("_initialize_engine",)
-
-
-class SafeLightningError(SafeZeroError):
-    """A Lightning setting the safe DeepSpeed strategies cannot run with, or a Lightning they do not fit."""
-
-
-class PrecisionFallbackWarning(UserWarning):
-    """``precision="16-mixed"`` on a CPU without fp16 support: bf16 mixed precision runs instead."""
 
 
 def check_lightning_fits(lightning_strategy: type, methods: tuple[str, ...]) -> None:
@@ -60,7 +52,6 @@ def check_lightning_fits(lightning_strategy: type, methods: tuple[str, ...]) -> 
 def require_safe_engine(engine: Any) -> Any:
     """Raise unless ``engine`` came out of :func:`safe_zero.initialize`."""
     if getattr(engine, "safe_zero_session", None) is None:
-        from safe_zero.injection import InjectionError
 
         raise InjectionError(
             f"Lightning built a {type(engine).__name__} without safe_zero: its deepspeed.initialize call was not "
