@@ -17,7 +17,6 @@ from safe_zero.alignment import (
     is_aligned,
     mark_grouped_mm,
 )
-from safe_zero.fixes import FIXES, Fix
 from safe_zero.errors import (
     AlignmentError,
     AlignmentWarning,
@@ -29,12 +28,14 @@ from safe_zero.errors import (
     UnsupportedDeepSpeedError,
     UnsupportedPrecisionError,
 )
+from safe_zero.fixes import FIXES, Fix
 from safe_zero.injection import (
     initialize,
     install,
     is_installed,
     uninstall,
     verify_bindings,
+    verify_overrides,
 )
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
@@ -44,6 +45,7 @@ from safe_zero.zero_init import Init, zero_init
 __version__ = "0.1.0"
 
 verify_bindings()
+verify_overrides()
 
 # `safe_deepspeed*` strategy names for Lightning, registered once Lightning's strategies are imported
 # (Lightning itself is not imported here; nothing happens where it is not installed).
@@ -75,6 +77,7 @@ __all__ = [
     "mark_grouped_mm",
     "uninstall",
     "verify_bindings",
+    "verify_overrides",
     "get_fp32_state_dict_from_zero_checkpoint",
     "zero_init",
 ]

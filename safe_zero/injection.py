@@ -26,7 +26,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from safe_zero import alignment, leaf_modules, wrappers
+from safe_zero import alignment, leaf_modules, patching, wrappers
 from safe_zero._compat import SUPPORTED_DEEPSPEED, check_deepspeed_supported
 from safe_zero.errors import (DeepSpeedDriftError, InjectionError, UnreachableModeError,  # noqa: F401  (re-exported)
                               UnsupportedPrecisionError)
@@ -81,6 +81,17 @@ def verify_bindings(bindings: tuple[Binding, ...] = BINDINGS) -> None:
                 f"{binding.where()} is {found!r}, expected DeepSpeed's {binding.stock.__qualname__}. "
                 f"This DeepSpeed ({deepspeed.__version__}) has drifted from what safe_zero supports "
                 f"({SUPPORTED_DEEPSPEED}); install a supported release.")
+
+
+def verify_overrides(classes: tuple[type, ...] | None = None) -> None:
+    """Raise :class:`DeepSpeedDriftError` if a DeepSpeed method a fix overrides is gone or takes other arguments.
+
+    Checks every ``@overrides`` method of the mixins of ``classes`` (default: every safe class, and
+    :class:`safe_zero.Init`) against the DeepSpeed class it extends.
+    """
+    from safe_zero.zero_init import Init
+
+    patching.verify_overrides(wrappers.OVERRIDING + (Init,) if classes is None else classes)
 
 
 _LOCK = threading.RLock()

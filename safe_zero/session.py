@@ -14,6 +14,7 @@ from typing import Any
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes._base import Fix
 from safe_zero.options import SafeZeroOptions
+from safe_zero.patching import overrides
 
 
 @dataclass
@@ -86,6 +87,7 @@ class CapturesSession:
     run during training); capturing it at construction keeps them on the caller's options.
     """
 
+    @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         session_for(self)
         super().__init__(*args, **kwargs)

@@ -22,7 +22,7 @@ from safe_zero.fixes.gradless_params import ReduceInOneOrderStage3, ReduceInOneO
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
                                                    AlignStage3SubGroups, GuardGatheredAlignment)
 from safe_zero.fixes.zero3_zero_element import (AdoptZeroElementParams, MaterializeZeroElementOnFetch,
-                                                 SafeCUDAQuantizer)  # noqa: F401  (bound by injection.BINDINGS)
+                                                 SafeCUDAQuantizer, SafeGatheredTensor)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
 from safe_zero.session import CapturesSession
 
@@ -72,3 +72,6 @@ SAFE_CLASSES = (
     SafePartitionedParameterCoordinator,
     SafeZeroInit,
 )
+
+#: Every class whose mixins override DeepSpeed methods (``@overrides``), checked at import by ``verify_overrides``.
+OVERRIDING = SAFE_CLASSES + (SafeCUDAQuantizer, SafeGatheredTensor)

@@ -28,6 +28,7 @@ from deepspeed.runtime.zero import partition_parameters
 from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt
 from safe_zero.options import SafeZeroOptions
+from safe_zero.patching import overrides
 from safe_zero.session import Session, current_session, session_for, set_current_session
 
 STOCK_INIT = partition_parameters.Init
@@ -41,6 +42,7 @@ class Init(WaitEveryCoalescedGather, STOCK_INIT):
     config every fix is ``"auto"``.
     """
 
+    @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from safe_zero.injection import _LOCK, resolve_config
 
@@ -60,6 +62,7 @@ class Init(WaitEveryCoalescedGather, STOCK_INIT):
                 partition_parameters.CUDAQuantizer = stock_quantizer
                 set_current_session(previous_session)
 
+    @overrides
     def _convert_to_deepspeed_param(self, param: torch.nn.Parameter) -> None:
         super()._convert_to_deepspeed_param(param)
         session = session_for(self)

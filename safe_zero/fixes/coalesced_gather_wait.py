@@ -28,6 +28,7 @@ from deepspeed.accelerator import get_accelerator
 from packaging.specifiers import SpecifierSet
 
 from safe_zero.fixes._base import Fix
+from safe_zero.patching import overrides
 from safe_zero.session import session_for
 
 FIX = Fix(
@@ -40,6 +41,7 @@ FIX = Fix(
 class WaitEveryCoalescedGather:
     """Mixin for ``zero.Init``: its blocking coalesced gather, one parameter per call where handles are unordered."""
 
+    @overrides
     def _allgather_params_coalesced(self, param_list: list[torch.nn.Parameter], hierarchy: int = 0,
                                     quantize: bool = False) -> None:
         # resolves_data_dependency(): the accelerator skips the synchronize that would complete the rest.

@@ -23,6 +23,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from safe_zero.fixes._base import Fix
+from safe_zero.patching import overrides
 from safe_zero.session import session_for
 
 FIX = Fix(
@@ -39,6 +40,7 @@ class DetachFlatBuffers:
     only the parameter buffers are changed (and reported).
     """
 
+    @overrides
     def flatten_dense_tensors_aligned(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         flat = super().flatten_dense_tensors_aligned(*args, **kwargs)
         if flat.requires_grad and session_for(self).uses(FIX):

@@ -50,6 +50,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from safe_zero.fixes._base import Fix
+from safe_zero.patching import overrides
 from safe_zero.session import session_for
 
 FIX = Fix(
@@ -168,6 +169,7 @@ class ReduceInOneOrderStage12(_AgreesOnReducedParams):
             return  # earlier micro-steps left it a gradient
         zero_grad_for(self, param, param.shape, param.device, why)
 
+    @overrides
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
         # Runs per parameter per step: the cheap tests first.
         if session_for(self).uses(FIX):
@@ -178,6 +180,7 @@ class ReduceInOneOrderStage12(_AgreesOnReducedParams):
                 self._zero_fill(param, "had no gradient")
         super().process_gradients(param, i)
 
+    @overrides
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
         # ZeRO-1 without overlap_comm reduces in one ordered pass here, skipping None gradients: fill them.
         if session_for(self).uses(FIX) and not self.overlap_comm:
@@ -187,6 +190,7 @@ class ReduceInOneOrderStage12(_AgreesOnReducedParams):
                         self._zero_fill(param, "was not used on this rank")
         super().reduce_gradients(pipeline_parallel)
 
+    @overrides
     def independent_gradient_partition_epilogue(self) -> None:
         held = self._take_held()
         if held:
@@ -215,6 +219,7 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
         # The parameter may already be re-partitioned here: size the gradient from ds_shape.
         zero_grad_for(self, param, param.ds_shape, get_accelerator().current_device_name(), why)
 
+    @overrides
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
         if session_for(self).uses(FIX):
             from deepspeed.utils import z3_leaf_parameter
@@ -226,6 +231,7 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
                 self._zero_fill(param, "had no gradient")
         super().reduce_ready_partitions_and_remove_grads(param, *args)
 
+    @overrides
     def independent_gradient_partition_epilogue(self) -> None:
         held = self._take_held()
         if held:

@@ -51,6 +51,7 @@ from packaging.specifiers import SpecifierSet
 from safe_zero.alignment import ALIGNMENT_BYTES, AlignmentPlan, plan_for
 from safe_zero.errors import AlignmentError
 from safe_zero.fixes._base import Fix
+from safe_zero.patching import overrides
 from safe_zero.session import session_for
 
 FIX = Fix(
@@ -126,12 +127,14 @@ class RecordsFlatOrder:
     def _flat_order(self) -> list[list[int]] | None:
         return self.__dict__.get("_safe_zero_flat_order") or None
 
+    @overrides
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         state = super().state_dict(*args, **kwargs)
         if isinstance(state, dict):
             state[ORDER_KEY] = self._flat_order()
         return state
 
+    @overrides
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         given = kwargs.get("state_dict_list", kwargs.get("state_dict", args[0] if args else None))
         states = given if isinstance(given, (list, tuple)) else [given]
@@ -154,6 +157,7 @@ class AlignFlatGroups(RecordsFlatOrder):
     the mixin then only guards.
     """
 
+    @overrides
     def __init__(self, init_optimizer: Any, *args: Any, **kwargs: Any) -> None:
         session = session_for(self)
         plan = plan_for(session)
@@ -178,6 +182,7 @@ class AlignFlatGroups(RecordsFlatOrder):
         super().__init__(init_optimizer, *args, **kwargs)
         plan.check("after initialize", route)
 
+    @overrides
     def step(self, *args: Any, **kwargs: Any) -> Any:
         result = super().step(*args, **kwargs)
         plan_for(session_for(self)).check("after an optimizer step", type(self).__bases__[-1].__name__)
@@ -187,6 +192,7 @@ class AlignFlatGroups(RecordsFlatOrder):
 class AlignRoundRobinGroups(AlignFlatGroups):
     """Mixin for ``DeepSpeedZeroOptimizer``: ``round_robin_gradients`` reshuffles after the group order; re-apply it."""
 
+    @overrides
     def _round_robin_reorder(self, tensor_list: list[Any], num_partitions: int) -> tuple[list[Any], Any]:
         tensors, indices = super()._round_robin_reorder(tensor_list, num_partitions)
         session = session_for(self)
@@ -216,6 +222,7 @@ class AlignStage3SubGroups(RecordsFlatOrder):
     def _holds_whole_params(self) -> bool:
         return self.partition_count == 1
 
+    @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         session = session_for(self)
@@ -234,6 +241,7 @@ class AlignStage3SubGroups(RecordsFlatOrder):
                             f"safe_zero cannot keep grouped_mm weight {plan.name(param)} 16-byte aligned on ZeRO-3 "
                             f"(data_ptr % 16 = {held.data_ptr() % ALIGNMENT_BYTES}): {why}")
 
+    @overrides
     def _create_fp16_sub_groups(self, params_group: list[Any]) -> list[list[Any]]:
         session = session_for(self)
         plan = plan_for(session)
@@ -259,6 +267,7 @@ class AlignAllReduceFetch:
     path alone, and the extra zeros (< 16 bytes per parameter) live only in the transient gather buffer.
     """
 
+    @overrides
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
         session = session_for(self)
@@ -279,11 +288,13 @@ class GuardGatheredAlignment:
     """Mixin for ``PartitionedParameterCoordinator``: once a module's parameters are gathered, check the
     detected weights among them (the ZeRO-3 half of the ``alignment_guard``)."""
 
+    @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # module id -> its detected weights: fetches run per submodule per step, so look once.
         self._safe_zero_guarded_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
         super().__init__(*args, **kwargs)
 
+    @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         super().fetch_sub_module(current_submodule, forward)
         guarded = self._safe_zero_guarded_by_module.get(id(current_submodule))

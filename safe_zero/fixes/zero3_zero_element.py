@@ -38,6 +38,7 @@ from deepspeed.utils import z3_leaf_module, zero_to_fp32
 from packaging.specifiers import SpecifierSet
 
 from safe_zero.fixes._base import Fix
+from safe_zero.patching import overrides
 from safe_zero.session import Session, session_for
 
 FIX = Fix(
@@ -162,11 +163,13 @@ class MaterializeZeroElementOnFetch:
     own release (``param.partition``) frees them again without a collective.
     """
 
+    @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # module id -> its zero-element parameters: fetches run per submodule per step, so look once.
         self._safe_zero_empty_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
         super().__init__(*args, **kwargs)
 
+    @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         empty = self._safe_zero_empty_by_module.get(id(current_submodule))
         if empty is None:
@@ -190,6 +193,7 @@ class AdoptZeroElementParams:
     A model without zero-element parameters is left untouched.
     """
 
+    @overrides
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
         session = session_for(self)
@@ -210,10 +214,12 @@ class GuardEmptyQuantize:
     ``(0,)``, which ``torch.cat`` accepts beside the kernel's ``(groups, 1)`` ones.
     """
 
+    @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         session_for(self)  # built inside initialize / zero.Init: keep that session for later calls
 
+    @overrides
     def quantize(self, param: torch.Tensor, groups: int | None = None) -> Any:
         if param.numel() == 0 and session_for(self).uses(FIX):
             device = get_accelerator().device_name()
@@ -221,6 +227,7 @@ class GuardEmptyQuantize:
                     torch.empty(0, dtype=torch.float32, device=device))
         return super().quantize(param, groups)
 
+    @overrides
     def dequantize(self, quantized_param: torch.Tensor, scale: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if quantized_param.numel() == 0 and session_for(self).uses(FIX):
             dtype = kwargs.get("dtype") or (args[0] if args else None) or torch.half  # the kernel's own output dtype
@@ -241,6 +248,7 @@ class GuardEmptyGatheredTensor:
     ``TypeError: 'NoneType' object cannot be interpreted as an integer``.
     """
 
+    @overrides
     def contiguous(self) -> torch.Tensor:
         if self.shape.numel() == 0:
             return torch.empty(self.shape, dtype=self.dtype)

@@ -25,6 +25,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from safe_zero.fixes._base import Fix
+from safe_zero.patching import overrides
 from safe_zero.session import session_for
 
 FIX = Fix(
@@ -48,6 +49,7 @@ def drop_zero_element_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.
 class ExcludeZeroElementParams:
     """Mixin for the flattening wrappers: filters the groups before DeepSpeed flattens them."""
 
+    @overrides
     def __init__(self, init_optimizer: Any, *args: Any, **kwargs: Any) -> None:
         session = session_for(self)
         if session.uses(FIX) and init_optimizer is not None:
