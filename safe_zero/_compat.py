@@ -11,6 +11,13 @@ from safe_zero.errors import SafeZeroError, UnsupportedDeepSpeedError  # noqa: F
 
 SUPPORTED_DEEPSPEED = SpecifierSet(">=0.18.0,<0.20")
 
+# Finer facts about the supported releases, named where safe_zero and its tests decide by them.
+#: ZeRO-1/2 has ``zero_optimization.parameter_alignment`` (DeepSpeed pads parameter boundaries itself).
+PARAMETER_ALIGNMENT_OPTION = SpecifierSet(">=0.19.7")
+#: ``stage3_use_all_reduce_for_fetch_params`` packs a module's parameters by ``ds_numel``, with no slack to pad
+#: (measured on 0.18.9; 0.19.8 advances by the ``ds_numel_aligned`` safe_zero rounds up).
+UNPADDED_ALL_REDUCE_FETCH = SpecifierSet("<0.19.8")
+
 
 def _parse(version: str) -> Version:
     # "0.19.8+abc123" and similar local builds compare by their release part.

@@ -237,12 +237,10 @@ def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, se
 def _tight_all_reduce_fetch(zero: Mapping[str, Any]) -> bool:
     """Whether the all-reduce fetch path advances by ``ds_numel`` (0.18.9, measured) rather than by the
     ``ds_numel_aligned`` safe_zero can round (0.19.8); releases in between are treated as the older."""
-    from packaging.version import Version
-
-    from safe_zero._compat import DEEPSPEED_VERSION
+    from safe_zero._compat import DEEPSPEED_VERSION, UNPADDED_ALL_REDUCE_FETCH
 
     on = zero.get("stage3_use_all_reduce_for_fetch_params", zero.get("use_all_reduce_for_fetch_params", False))
-    return bool(on) and DEEPSPEED_VERSION < Version("0.19.8")
+    return bool(on) and DEEPSPEED_VERSION in UNPADDED_ALL_REDUCE_FETCH
 
 
 def _world_size() -> int:

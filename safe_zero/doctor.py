@@ -92,7 +92,7 @@ def diagnose(model_spec: str | None = None) -> dict[str, Any]:
 
     init_single_process()
     import safe_zero
-    from safe_zero.alignment import _deepspeed_has_parameter_alignment
+    from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
     from safe_zero.probes import PROBES
     from safe_zero.session import Session
 
@@ -109,7 +109,7 @@ def diagnose(model_spec: str | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "versions": _versions(),
         "supported_deepspeed": str(safe_zero.SUPPORTED_DEEPSPEED),
-        "deepspeed_parameter_alignment_option": _deepspeed_has_parameter_alignment(),
+        "deepspeed_parameter_alignment_option": DEEPSPEED_VERSION in PARAMETER_ALIGNMENT_OPTION,
         "fixes": fixes,
     }
     if model_spec:

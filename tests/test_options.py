@@ -52,3 +52,13 @@ def test_every_fix_declares_a_version_range_inside_the_supported_one():
     for name, fix in safe_zero.FIXES.items():
         assert fix.name == name and fix.summary
         assert any(v in fix.needed_on for v in ("0.18.0", "0.18.9", "0.19.0", "0.19.6", "0.19.7", "0.19.8")), name
+
+
+def test_the_parameter_alignment_constant_matches_this_deepspeeds_config():
+    """PARAMETER_ALIGNMENT_OPTION is what the doctor reports and the tests skip by: it must match the real config."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
+
+    has_option = "parameter_alignment" in DeepSpeedZeroConfig.model_fields
+    assert has_option == (DEEPSPEED_VERSION in PARAMETER_ALIGNMENT_OPTION)

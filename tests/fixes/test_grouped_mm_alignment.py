@@ -326,9 +326,9 @@ def _zero3_body(path: str, ckpt: str) -> dict:
 
 
 def _tight_all_reduce_fetch() -> bool:
-    from safe_zero.alignment import _tight_all_reduce_fetch
+    from safe_zero._compat import DEEPSPEED_VERSION, UNPADDED_ALL_REDUCE_FETCH
 
-    return _tight_all_reduce_fetch({"stage3_use_all_reduce_for_fetch_params": True})
+    return DEEPSPEED_VERSION in UNPADDED_ALL_REDUCE_FETCH
 
 
 @pytest.mark.parametrize("world_size, path, stock_misaligned", ZERO3_CASES)

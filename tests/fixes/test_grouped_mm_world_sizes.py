@@ -162,11 +162,10 @@ def _zero3_cells(cells: list[tuple[str, str]], ckpt: str) -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_zero3_hands_grouped_mm_aligned_operands_at_every_world_size(ranks, tmp_path, world_size):
     pytest.importorskip("transformers")
-    from safe_zero.alignment import _tight_all_reduce_fetch
+    from safe_zero._compat import DEEPSPEED_VERSION, UNPADDED_ALL_REDUCE_FETCH
 
     cells = [(layout, path) for layout, path in ZERO3_CELLS[world_size]
-             if not (path == "all_reduce" and world_size > 1
-                     and _tight_all_reduce_fetch({"stage3_use_all_reduce_for_fetch_params": True}))]
+             if not (path == "all_reduce" and world_size > 1 and DEEPSPEED_VERSION in UNPADDED_ALL_REDUCE_FETCH)]
     results = ranks.run(world_size, _zero3_cells, cells=cells, ckpt=str(tmp_path), timeout=900)
     for cell in results[0]:
         for r in (rank[cell] for rank in results):
@@ -280,9 +279,9 @@ def _parameter_alignment_body(safe: bool) -> dict:
 
 
 def test_parameter_alignment_true_is_honoured_on_the_bf16_optimizer_route(ranks):
-    from safe_zero.alignment import _deepspeed_has_parameter_alignment
+    from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
 
-    if not _deepspeed_has_parameter_alignment():
+    if DEEPSPEED_VERSION not in PARAMETER_ALIGNMENT_OPTION:
         pytest.skip("zero_optimization.parameter_alignment is new in DeepSpeed 0.19.7")
     stock, = ranks.run(1, _parameter_alignment_body, safe=False)
     safe, = ranks.run(1, _parameter_alignment_body, safe=True)
