@@ -43,18 +43,7 @@ def initialize_through(outer: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     ``deepspeed.initialize`` it calls (DeepSpeed's, captured when it wrapped it) builds safe_zero's
     classes. Whatever ``outer`` returns is checked like DeepSpeed's own result.
     """
-    stock = injection._STOCK_INITIALIZE
-    if outer is stock or routes_through_safe_zero(outer):
+    if outer is injection.STOCK_INITIALIZE or routes_through_safe_zero(outer):
         return injection.initialize(*args, **kwargs)
-
-    def once(*call_args: Any, **call_kwargs: Any) -> tuple:
-        # A safe_zero.initialize that ``outer`` may reach in turn calls DeepSpeed's own: no loop.
-        injection._STOCK_INITIALIZE = stock
-        return outer(*call_args, **call_kwargs)
-
-    with injection._LOCK:
-        injection._STOCK_INITIALIZE = once
-        try:
-            return injection.initialize(*args, **kwargs)
-        finally:
-            injection._STOCK_INITIALIZE = stock
+    # A safe_zero.initialize that ``outer`` may reach in turn calls DeepSpeed's own: no loop.
+    return injection.initialize_calling(outer, *args, **kwargs)

@@ -14,9 +14,8 @@ import inspect
 import json
 import logging
 import os
-import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import deepspeed
 import torch
@@ -27,11 +26,12 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero import alignment, leaf_modules, patching, wrappers
+from safe_zero.patching import swap, swapped
 from safe_zero._compat import SUPPORTED_DEEPSPEED, check_deepspeed_supported
 from safe_zero.errors import (DeepSpeedDriftError, InjectionError, UnreachableModeError,  # noqa: F401  (re-exported)
                               UnsupportedPrecisionError)
 from safe_zero.options import SafeZeroOptions
-from safe_zero.session import Session, set_current_session
+from safe_zero.session import Session, made_current
 
 
 @dataclass(frozen=True)
@@ -94,27 +94,19 @@ def verify_overrides(classes: tuple[type, ...] | None = None) -> None:
     patching.verify_overrides(wrappers.OVERRIDING + (Init,) if classes is None else classes)
 
 
-_LOCK = threading.RLock()
-_STOCK_INITIALIZE = deepspeed.initialize
-_STOCK_SIGNATURE = inspect.signature(_STOCK_INITIALIZE)
+#: DeepSpeed's own ``initialize``, and its signature (safe_zero's routes present it as theirs).
+STOCK_INITIALIZE = deepspeed.initialize
+STOCK_SIGNATURE = inspect.signature(STOCK_INITIALIZE)
 
 
 @contextlib.contextmanager
 def injected(session: Session, bindings: tuple[Binding, ...] = BINDINGS) -> Iterator[None]:
-    """Bind the safe subclasses and make ``session`` current; restore everything on exit."""
-    with _LOCK:
-        saved = []
-        try:
-            for binding in bindings:
-                module = importlib.import_module(binding.module)
-                saved.append((module, binding.name, getattr(module, binding.name)))
-                setattr(module, binding.name, binding.safe)
-            set_current_session(session)
-            yield
-        finally:
-            set_current_session(None)
-            for module, name, original in reversed(saved):
-                setattr(module, name, original)
+    """Bind the safe subclasses and make ``session`` current; restore what was there before on exit."""
+    with contextlib.ExitStack() as stack:
+        for binding in bindings:
+            stack.enter_context(swapped(importlib.import_module(binding.module), binding.name, binding.safe))
+        stack.enter_context(made_current(session))
+        yield
 
 
 def resolve_config(arguments: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -218,7 +210,13 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     The ``"safe_zero"`` block of the DeepSpeed config (see :class:`safe_zero.SafeZeroOptions`)
     selects fixes. The engine keeps the session as ``engine.safe_zero_session``.
     """
-    bound = _STOCK_SIGNATURE.bind(*args, **kwargs)
+    return initialize_calling(STOCK_INITIALIZE, *args, **kwargs)
+
+
+def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -> tuple:
+    """:func:`initialize` that calls ``inner`` (DeepSpeed's ``initialize``, or a wrapper around it) inside the
+    injection; what ``inner`` returns is checked like DeepSpeed's own result."""
+    bound = STOCK_SIGNATURE.bind(*args, **kwargs)
     arguments = bound.arguments
     config = resolve_config(arguments)
     session = Session(options=SafeZeroOptions.from_config(config))
@@ -231,14 +229,14 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
 
         log_dist(f"safe_zero: no fix applies to this model under {', '.join(stock_modes)}; running stock DeepSpeed",
                  ranks=[0], level=logging.WARNING)
-        result = _STOCK_INITIALIZE(*args, **kwargs)
+        result = inner(*args, **kwargs)
         result[0].safe_zero_session = session
         return result
     if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
         alignment.pass_config(bound, adjusted)
         args, kwargs = bound.args, bound.kwargs
     with injected(session):
-        result = _STOCK_INITIALIZE(*args, **kwargs)
+        result = inner(*args, **kwargs)
     engine = result[0]
     verify_engine(engine)
     engine.safe_zero_session = session
@@ -246,11 +244,15 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     return result
 
 
-initialize.__signature__ = _STOCK_SIGNATURE  # type: ignore[attr-defined]
+initialize.__signature__ = STOCK_SIGNATURE  # type: ignore[attr-defined]
 
 
 def _installed_initialize(*args: Any, **kwargs: Any) -> tuple:
     return initialize(*args, **kwargs)
+
+
+#: The restores of what :func:`install` rebound, by name; :func:`uninstall` runs them.
+_INSTALLED: dict[str, tuple[Any, Any, Callable[[], None]]] = {}
 
 
 def install() -> None:
@@ -258,22 +260,22 @@ def install() -> None:
     ``deepspeed.zero.Init`` to :class:`safe_zero.Init`. Idempotent."""
     from safe_zero.zero_init import STOCK_INIT, Init
 
-    with _LOCK:
+    with patching.LOCK:
         if deepspeed.initialize is not _installed_initialize:
-            deepspeed.initialize = _installed_initialize
+            _INSTALLED["initialize"] = (deepspeed, _installed_initialize,
+                                        swap(deepspeed, "initialize", _installed_initialize))
         if deepspeed.zero.Init is STOCK_INIT:  # a class someone else put there stays (uninstall could not restore it)
-            deepspeed.zero.Init = Init
+            _INSTALLED["Init"] = (deepspeed.zero, Init, swap(deepspeed.zero, "Init", Init))
 
 
 def uninstall() -> None:
-    """Restore the stock ``deepspeed.initialize`` and ``deepspeed.zero.Init`` exactly. Idempotent."""
-    from safe_zero.zero_init import STOCK_INIT, Init
-
-    with _LOCK:
-        if deepspeed.initialize is _installed_initialize:
-            deepspeed.initialize = _STOCK_INITIALIZE
-        if deepspeed.zero.Init is Init:
-            deepspeed.zero.Init = STOCK_INIT
+    """Put back what ``deepspeed.initialize`` and ``deepspeed.zero.Init`` were before :func:`install`
+    (where nobody rebound them since). Idempotent."""
+    with patching.LOCK:
+        for name, (owner, ours, restore) in list(_INSTALLED.items()):
+            del _INSTALLED[name]
+            if getattr(owner, name) is ours:
+                restore()
 
 
 def is_installed() -> bool:

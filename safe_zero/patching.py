@@ -20,22 +20,39 @@ LOCK = threading.RLock()
 _MISSING = object()
 
 
-@contextlib.contextmanager
-def swapped(owner: Any, name: str, value: Any) -> Iterator[Any]:
-    """Bind ``owner.name`` to ``value`` under :data:`LOCK`; restore the previous binding (or its absence) on exit.
+def swap(owner: Any, name: str, value: Any) -> Callable[[], None]:
+    """Bind ``owner.name`` to ``value`` now; return the function that puts the previous binding back.
 
-    Yields the previous value (``None`` where there was none).
+    For a binding that outlives one call (``install()`` until ``uninstall()``); a scoped one is :func:`swapped`.
     """
     with LOCK:
-        previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        previous = getattr(owner, name, _MISSING)
         setattr(owner, name, value)
-        try:
-            yield None if previous is _MISSING else previous
-        finally:
+
+    def restore() -> None:
+        with LOCK:
             if previous is _MISSING:
                 delattr(owner, name)
             else:
                 setattr(owner, name, previous)
+
+    return restore
+
+
+@contextlib.contextmanager
+def swapped(owner: Any, name: str, value: Any) -> Iterator[Any]:
+    """``owner.name`` bound to ``value`` for the ``with`` block, under :data:`LOCK`; the previous binding after.
+
+    Holds the lock for the whole block, so another thread's swap of the same name waits instead of
+    interleaving. Yields the previous value (``None`` where there was none).
+    """
+    with LOCK:
+        previous = getattr(owner, name, None)
+        restore = swap(owner, name, value)
+        try:
+            yield previous
+        finally:
+            restore()
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -8,13 +8,14 @@ constructor and keeps it, because its hooks run long after ``initialize`` has re
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ContextManager
 
 from safe_zero._compat import DEEPSPEED_VERSION
-from safe_zero.fixes._base import Fix
+from safe_zero.fix import Fix
 from safe_zero.options import SafeZeroOptions
-from safe_zero.patching import overrides
+from safe_zero.patching import overrides, swapped
 
 
 @dataclass
@@ -75,9 +76,9 @@ def current_session() -> Session | None:
     return _current
 
 
-def set_current_session(session: Session | None) -> None:
-    global _current
-    _current = session
+def made_current(session: Session) -> ContextManager[Any]:
+    """``session`` current for the ``with`` block (under the patching lock); the previous one after it."""
+    return swapped(sys.modules[__name__], "_current", session)
 
 
 class CapturesSession:

@@ -28,8 +28,8 @@ from deepspeed.runtime.zero import partition_parameters
 from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt
 from safe_zero.options import SafeZeroOptions
-from safe_zero.patching import overrides
-from safe_zero.session import Session, current_session, session_for, set_current_session
+from safe_zero.patching import overrides, swapped
+from safe_zero.session import Session, made_current, session_for
 
 STOCK_INIT = partition_parameters.Init
 _STOCK_SIGNATURE = inspect.signature(STOCK_INIT.__init__)
@@ -44,7 +44,7 @@ class Init(WaitEveryCoalescedGather, STOCK_INIT):
 
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from safe_zero.injection import _LOCK, resolve_config
+        from safe_zero.injection import resolve_config
 
         arguments = _STOCK_SIGNATURE.bind(self, *args, **kwargs).arguments
         config = arguments.get("config_dict_or_path") or arguments.get("config")
@@ -52,15 +52,8 @@ class Init(WaitEveryCoalescedGather, STOCK_INIT):
         object.__setattr__(self, "_safe_zero_session", session)
         # The quantizer is built in the stock constructor, from the module global; bind the guarded
         # one (and this session, which it captures) just for that call.
-        with _LOCK:
-            previous_session, stock_quantizer = current_session(), partition_parameters.CUDAQuantizer
-            set_current_session(session)
-            partition_parameters.CUDAQuantizer = SafeCUDAQuantizer
-            try:
-                super().__init__(*args, **kwargs)
-            finally:
-                partition_parameters.CUDAQuantizer = stock_quantizer
-                set_current_session(previous_session)
+        with made_current(session), swapped(partition_parameters, "CUDAQuantizer", SafeCUDAQuantizer):
+            super().__init__(*args, **kwargs)
 
     @overrides
     def _convert_to_deepspeed_param(self, param: torch.nn.Parameter) -> None:

@@ -62,9 +62,9 @@ def _install_routes_plain_initialize(stage: int) -> dict:
     import deepspeed
 
     import safe_zero
-    from safe_zero.injection import _STOCK_INITIALIZE
+    from safe_zero.injection import STOCK_INITIALIZE
 
-    assert deepspeed.initialize is _STOCK_INITIALIZE
+    assert deepspeed.initialize is STOCK_INITIALIZE
     safe_zero.install()
     safe_zero.install()  # idempotent: the second call must not wrap the first
     installed = deepspeed.initialize
@@ -76,7 +76,7 @@ def _install_routes_plain_initialize(stage: int) -> dict:
     finally:
         safe_zero.uninstall()
         safe_zero.uninstall()
-    return {"routed": routed, "restored": deepspeed.initialize is _STOCK_INITIALIZE,
+    return {"routed": routed, "restored": deepspeed.initialize is STOCK_INITIALIZE,
             "single_wrap": installed is safe_zero.injection._installed_initialize,
             "optimizer": type(engine.optimizer).__name__}
 
@@ -165,7 +165,7 @@ def test_a_mode_the_injection_cannot_reach_runs_stock_when_the_model_needs_no_fi
                       "config": kwargs.get("config")})
         return (types.SimpleNamespace(), None, None, None)
 
-    monkeypatch.setattr(injection, "_STOCK_INITIALIZE", stock_initialize)
+    monkeypatch.setattr(injection, "STOCK_INITIALIZE", stock_initialize)
     with caplog.at_level("WARNING"):
         engine, *_ = safe_zero.initialize(model=Control(), config=config)
     assert calls == [{"bindings_stock": True, "config": config}]

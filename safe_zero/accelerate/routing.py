@@ -21,7 +21,8 @@ import deepspeed
 
 from safe_zero import chaining
 from safe_zero.errors import InjectionError, WorldSizeMismatchError  # noqa: F401  (re-exported)
-from safe_zero.injection import _LOCK, _STOCK_INITIALIZE, _STOCK_SIGNATURE, resolve_config
+from safe_zero.injection import STOCK_INITIALIZE, STOCK_SIGNATURE, resolve_config
+from safe_zero.patching import LOCK, swap
 from safe_zero.options import CONFIG_KEY, SafeZeroOptions
 from safe_zero.session import Session
 
@@ -71,12 +72,14 @@ def session_of(module: Any) -> Session | None:
 
 
 #: What ``deepspeed.initialize`` was when the dispatcher was bound: DeepSpeed's own, or someone's wrapper.
-_outer: Any = _STOCK_INITIALIZE
+_outer: Any = STOCK_INITIALIZE
+#: Puts that back (set while the dispatcher is bound).
+_restore: Any = None
 
 
 def _routed_initialize(*args: Any, **kwargs: Any) -> tuple:
     outer = _outer
-    config = resolve_config(_STOCK_SIGNATURE.bind(*args, **kwargs).arguments)
+    config = resolve_config(STOCK_SIGNATURE.bind(*args, **kwargs).arguments)
     if not requests_safe_zero(config):
         _warn_stock_once()
         return outer(*args, **kwargs)
@@ -87,7 +90,7 @@ def _routed_initialize(*args: Any, **kwargs: Any) -> tuple:
     return result
 
 
-_routed_initialize.__signature__ = _STOCK_SIGNATURE  # type: ignore[attr-defined]
+_routed_initialize.__signature__ = STOCK_SIGNATURE  # type: ignore[attr-defined]
 _routed_initialize.__doc__ = "deepspeed.initialize, routed through safe_zero when the config has a safe_zero block."
 chaining.register_route(_routed_initialize)
 
@@ -99,21 +102,22 @@ def install_on_request() -> None:
     someone else bound to ``deepspeed.initialize`` before stays in the chain: the dispatcher calls it,
     and :func:`uninstall_on_request` puts it back.
     """
-    global _outer
-    with _LOCK:
+    global _outer, _restore
+    with LOCK:
         current = deepspeed.initialize
         if chaining.routes_through_safe_zero(current):
             return
         _outer = current
-        deepspeed.initialize = _routed_initialize
+        _restore = swap(deepspeed, "initialize", _routed_initialize)
 
 
 def uninstall_on_request() -> None:
     """Unbind the dispatcher, restoring what ``deepspeed.initialize`` was before it. Idempotent."""
-    global _outer
-    with _LOCK:
-        if deepspeed.initialize is _routed_initialize:
-            deepspeed.initialize, _outer = _outer, _STOCK_INITIALIZE
+    global _outer, _restore
+    with LOCK:
+        if deepspeed.initialize is _routed_initialize and _restore is not None:
+            _restore()
+            _outer, _restore = STOCK_INITIALIZE, None
 
 
 def is_routed() -> bool:

@@ -27,7 +27,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from packaging.specifiers import SpecifierSet
 
-from safe_zero.fixes._base import Fix
+from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
 

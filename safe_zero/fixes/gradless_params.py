@@ -49,7 +49,7 @@ from typing import Any, Iterable
 import torch
 from packaging.specifiers import SpecifierSet
 
-from safe_zero.fixes._base import Fix
+from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
 

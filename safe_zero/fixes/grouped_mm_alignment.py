@@ -50,7 +50,7 @@ from packaging.specifiers import SpecifierSet
 
 from safe_zero.alignment import ALIGNMENT_BYTES, AlignmentPlan, plan_for
 from safe_zero.errors import AlignmentError
-from safe_zero.fixes._base import Fix
+from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
 

@@ -37,8 +37,8 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module, zero_to_fp32
 from packaging.specifiers import SpecifierSet
 
-from safe_zero.fixes._base import Fix
-from safe_zero.patching import overrides
+from safe_zero.fix import Fix
+from safe_zero.patching import overrides, swapped
 from safe_zero.session import Session, session_for
 
 FIX = Fix(
@@ -263,12 +263,5 @@ def get_fp32_state_dict_from_zero_checkpoint(*args: Any, **kwargs: Any) -> dict[
     """``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (same arguments) that
     also reconstructs zero-element parameters, with their real shape, from checkpoints of any
     supported DeepSpeed release."""
-    from safe_zero.injection import _LOCK
-
-    with _LOCK:
-        stock = zero_to_fp32.GatheredTensor
-        zero_to_fp32.GatheredTensor = SafeGatheredTensor
-        try:
-            return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(*args, **kwargs)
-        finally:
-            zero_to_fp32.GatheredTensor = stock
+    with swapped(zero_to_fp32, "GatheredTensor", SafeGatheredTensor):
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(*args, **kwargs)

@@ -105,17 +105,15 @@ class _SafeStrategyBase:
         """``deepspeed.initialize`` resolves to :meth:`_safe_initialize` inside; restored on exit."""
         import deepspeed
 
-        from safe_zero.injection import _LOCK
+        from safe_zero.patching import swapped
 
-        # Lightning reads deepspeed.initialize at call time. safe_zero's injection lock keeps another thread's
-        # initialize from running while the name is rebound.
-        with _LOCK:
-            outer = self._safe_zero_outer_initialize = deepspeed.initialize
-            deepspeed.initialize = self._safe_initialize
+        # Lightning reads deepspeed.initialize at call time. swapped holds safe_zero's patching lock, which keeps
+        # another thread's initialize from running while the name is rebound.
+        with swapped(deepspeed, "initialize", self._safe_initialize) as outer:
+            self._safe_zero_outer_initialize = outer
             try:
                 yield
             finally:
-                deepspeed.initialize = outer
                 del self._safe_zero_outer_initialize
 
     # CPU ----------------------------------------------------------------------------------------------------------

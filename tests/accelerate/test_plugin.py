@@ -13,7 +13,7 @@ import deepspeed  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin, DistributedType  # noqa: E402
 
 import safe_zero  # noqa: E402
-from safe_zero.injection import _STOCK_INITIALIZE  # noqa: E402
+from safe_zero.injection import STOCK_INITIALIZE  # noqa: E402
 from tests.accelerate.launch import EXAMPLES, ROOT  # noqa: E402
 
 PAIRS = {"zero2": (2, "none", "none"), "zero2_offload": (2, "cpu", "none"),
@@ -98,7 +98,7 @@ def test_routing_binds_once_defers_to_install_and_keeps_a_foreign_initialize(mon
     install_on_request()
     assert deepspeed.initialize is _routed_initialize
     uninstall_on_request()
-    assert deepspeed.initialize is _STOCK_INITIALIZE and not is_routed()
+    assert deepspeed.initialize is STOCK_INITIALIZE and not is_routed()
 
     safe_zero.install()
     try:
@@ -106,10 +106,10 @@ def test_routing_binds_once_defers_to_install_and_keeps_a_foreign_initialize(mon
         assert safe_zero.is_installed() and is_routed()
     finally:
         safe_zero.uninstall()
-    assert deepspeed.initialize is _STOCK_INITIALIZE
+    assert deepspeed.initialize is STOCK_INITIALIZE
 
     def profiler(*args, **kwargs):
-        return _STOCK_INITIALIZE(*args, **kwargs)
+        return STOCK_INITIALIZE(*args, **kwargs)
 
     monkeypatch.setattr(deepspeed, "initialize", profiler)
     install_on_request()  # binds in front of the profiler (tests/accelerate/test_routing.py runs through it)

@@ -33,7 +33,7 @@ def _route(stage: int, world_size: int) -> dict:
                  "error": stock_error, "warned": routing._warned_stock}
     finally:
         routing.uninstall_on_request()
-    return {"safe": safe, "stock": stock, "restored": deepspeed.initialize is routing._STOCK_INITIALIZE}
+    return {"safe": safe, "stock": stock, "restored": deepspeed.initialize is routing.STOCK_INITIALIZE}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

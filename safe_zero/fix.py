@@ -1,4 +1,4 @@
-"""What every fix declares: its name, the defect, and the DeepSpeed releases that have it."""
+"""What every fix declares: its name, the defect, and the DeepSpeed releases that have it (a leaf module)."""
 
 from __future__ import annotations
 
