@@ -93,17 +93,15 @@ def diagnose(model_spec: str | None = None) -> dict[str, Any]:
     init_single_process()
     import safe_zero
     from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
-    from safe_zero.probes import PROBES
     from safe_zero.session import Session
 
     session = Session()
     fixes = {}
     for name, fix in safe_zero.FIXES.items():
-        probe = PROBES.get(name)
         fixes[name] = {
             "summary": fix.summary,
             "needed_on": str(fix.needed_on),
-            "defect_present": probe() if probe else None,
+            "defect_present": fix.run_probe(),
             "engages": session.uses(fix),
         }
     report: dict[str, Any] = {

@@ -157,12 +157,3 @@ def probe_grouped_mm_alignment() -> bool:
     """Root cause: stock ZeRO-2 (default config) hands an expert weight a view off the 16-byte grid."""
     engine = _engine(_ExpertsAfterOddParam, 2)
     return engine.module.experts.data_ptr() % 16 != 0
-
-
-PROBES: dict[str, Callable[[], bool]] = {
-    "zero3_zero_element_params": probe_zero3_zero_element_params,
-    "gradless_params": probe_gradless_params,
-    "zero_element_groups": probe_zero_element_groups,
-    "flat_buffer_autograd": probe_flat_buffer_autograd,
-    "grouped_mm_alignment": probe_grouped_mm_alignment,
-}

@@ -1,8 +1,13 @@
 """safe_zero's subclasses of the DeepSpeed classes that ``deepspeed.initialize`` builds.
 
-Each class is the DeepSpeed class plus the mixins of the fixes that touch it (see
-``safe_zero/fixes/``). A mixin overrides one method, calls ``super()``, and does nothing when
-its fix is off for the current session, so with every fix off these classes are stock.
+Each class is the DeepSpeed class (its last base) with the mixins of the fixes that touch it before
+it (see ``safe_zero/fixes/``), and ``CapturesSession`` first. A mixin overrides one or a few DeepSpeed
+methods, each marked ``@overrides`` and checked against the installed DeepSpeed at import
+(``verify_overrides``), and calls ``super()``. A mixin whose fix is off for the session passes its
+calls through, with two exceptions that follow their own options instead: the grouped_mm alignment
+guard (``"alignment_guard"``) checks the detected weights, and the optimizer state dict carries the
+flat order (``safe_zero_flat_order``, ``None`` where nothing was reordered) so that a checkpoint is never
+loaded into buffers laid out in another order.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_malformed_blocks_are_rejected_with_what_to_write(block, message):
 
 
 def test_auto_follows_the_deepspeed_version_and_true_false_override_it(monkeypatch):
-    fix = Fix("probe", "a probe", SpecifierSet("<0.19.8"))
+    fix = Fix("probe", "a probe", SpecifierSet("<0.19.8"), no_probe="a test stand-in")
     monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", __import__("packaging.version").version.Version("0.18.9"))
     assert Session().uses(fix)
     monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", __import__("packaging.version").version.Version("0.19.8"))

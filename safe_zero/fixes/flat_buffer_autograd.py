@@ -30,6 +30,7 @@ FIX = Fix(
     name="flat_buffer_autograd",
     summary="build the ZeRO-1/2 flat parameter buffers without autograd history (gloo all-gather)",
     needed_on=SpecifierSet(">=0.18.7,<0.19"),
+    probe="safe_zero.probes:probe_flat_buffer_autograd",
 )
 
 

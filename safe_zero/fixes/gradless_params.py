@@ -58,6 +58,7 @@ FIX = Fix(
     summary="reduce every trainable parameter in one order on every rank, with a zero gradient where a rank has "
             "none (DDP's rule for unused parameters; ZeRO-1/2/3)",
     needed_on=SpecifierSet(">=0.18.0"),
+    probe="safe_zero.probes:probe_gradless_params",
 )
 
 

@@ -58,6 +58,7 @@ FIX = Fix(
     name="grouped_mm_alignment",
     summary="keep grouped_mm expert weights 16-byte aligned in the flat buffers DeepSpeed does not pad",
     needed_on=SpecifierSet(">=0.18.0"),
+    probe="safe_zero.probes:probe_grouped_mm_alignment",
 )
 
 

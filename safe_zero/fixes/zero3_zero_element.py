@@ -45,6 +45,7 @@ FIX = Fix(
     name="zero3_zero_element_params",
     summary="make zero-element ZeRO-3 parameters available locally and keep them out of every collective",
     needed_on=SpecifierSet(">=0.18.0"),
+    probe="safe_zero.probes:probe_zero3_zero_element_params",
 )
 
 _ADOPTED = "_safe_zero_zero_element_session"

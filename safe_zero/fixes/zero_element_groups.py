@@ -32,6 +32,7 @@ FIX = Fix(
     name="zero_element_groups",
     summary="keep zero-element parameters out of the fp16/bf16/ZeRO-1/2 flat groups",
     needed_on=SpecifierSet("<0.19.8"),
+    probe="safe_zero.probes:probe_zero_element_groups",
 )
 
 
