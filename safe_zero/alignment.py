@@ -249,22 +249,6 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def pass_config(bound: inspect.BoundArguments, config: dict[str, Any]) -> None:
-    """Make ``bound`` (``deepspeed.initialize``'s arguments) carry ``config`` by the route the caller used."""
-    arguments = bound.arguments
-    args = arguments.get("args")
-    if arguments.get("config") is None and arguments.get("config_params") is None and \
-            getattr(args, "deepspeed_config", None) is not None:
-        # DeepSpeed refuses a config both in args and in the call; a copy keeps the caller's args unchanged.
-        args = copy.copy(args)
-        args.deepspeed_config = config
-        arguments["args"] = args
-    elif arguments.get("config") is None and arguments.get("config_params") is not None:
-        arguments["config_params"] = config
-    else:
-        arguments["config"] = config
-
-
 def padding_bytes(numels: Iterable[int], element_size: int) -> int:
     """Bytes DeepSpeed's ``parameter_alignment`` inserts between parameters of one flat group (none after the last)."""
     per = ALIGNMENT_BYTES // element_size if ALIGNMENT_BYTES % element_size == 0 else 1

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -26,11 +24,11 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero import alignment, leaf_modules, patching, wrappers
-from safe_zero.patching import swap, swapped
 from safe_zero._compat import SUPPORTED_DEEPSPEED, check_deepspeed_supported
 from safe_zero.errors import (DeepSpeedDriftError, InjectionError, UnreachableModeError,  # noqa: F401  (re-exported)
                               UnsupportedPrecisionError)
-from safe_zero.options import SafeZeroOptions
+from safe_zero.options import SafeZeroOptions, pass_config, resolve_config
+from safe_zero.patching import swap, swapped
 from safe_zero.session import Session, made_current
 
 
@@ -107,26 +105,6 @@ def injected(session: Session, bindings: tuple[Binding, ...] = BINDINGS) -> Iter
             stack.enter_context(swapped(importlib.import_module(binding.module), binding.name, binding.safe))
         stack.enter_context(made_current(session))
         yield
-
-
-def resolve_config(arguments: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The DeepSpeed config ``deepspeed.initialize`` will use, as a dict, from its bound arguments."""
-    config = arguments.get("config") or arguments.get("config_params")
-    if config is None:
-        args = arguments.get("args")
-        config = getattr(args, "deepspeed_config", None) if args is not None else None
-    if config is None or isinstance(config, Mapping):
-        return dict(config) if config is not None else None
-    if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            text = f.read()
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            import hjson  # DeepSpeed's own config reader; accepts what DeepSpeed accepts.
-            return dict(hjson.loads(text))
-    # DeepSpeedConfig objects and the like: DeepSpeed validates those itself.
-    return getattr(config, "_param_dict", None)
 
 
 def check_precision(config: Mapping[str, Any] | None) -> None:
@@ -233,7 +211,7 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
         result[0].safe_zero_session = session
         return result
     if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
-        alignment.pass_config(bound, adjusted)
+        pass_config(bound, adjusted)
         args, kwargs = bound.args, bound.kwargs
     with injected(session):
         result = inner(*args, **kwargs)

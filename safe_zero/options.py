@@ -1,4 +1,5 @@
-"""The ``"safe_zero"`` block of a DeepSpeed config, validated.
+"""The DeepSpeed config as ``deepspeed.initialize`` gets it (read by :func:`resolve_config`, handed back by
+:func:`pass_config`), and its ``"safe_zero"`` block, validated.
 
 DeepSpeed ignores unknown top-level config keys, so the block travels inside the same JSON
 (or dict) that every launcher already passes around::
@@ -16,6 +17,10 @@ DeepSpeed ignores unknown top-level config keys, so the block travels inside the
 
 from __future__ import annotations
 
+import copy
+import inspect
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union
 
@@ -88,3 +93,41 @@ class SafeZeroOptions:
 def _check_setting(where: str, value: Any) -> None:
     if value != "auto" and not isinstance(value, bool):
         raise SafeZeroConfigError(f'"{where}" must be "auto", true or false, got {value!r}')
+
+
+# The whole DeepSpeed config, as deepspeed.initialize gets it: read it (resolve_config), hand it back (pass_config).
+
+def resolve_config(arguments: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The DeepSpeed config ``deepspeed.initialize`` will use, as a dict, from its bound arguments."""
+    config = arguments.get("config") or arguments.get("config_params")
+    if config is None:
+        args = arguments.get("args")
+        config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is None or isinstance(config, Mapping):
+        return dict(config) if config is not None else None
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            text = f.read()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            import hjson  # DeepSpeed's own config reader; accepts what DeepSpeed accepts.
+            return dict(hjson.loads(text))
+    # DeepSpeedConfig objects and the like: DeepSpeed validates those itself.
+    return getattr(config, "_param_dict", None)
+
+
+def pass_config(bound: inspect.BoundArguments, config: dict[str, Any]) -> None:
+    """Make ``bound`` (``deepspeed.initialize``'s arguments) carry ``config`` by the route the caller used."""
+    arguments = bound.arguments
+    args = arguments.get("args")
+    if arguments.get("config") is None and arguments.get("config_params") is None and \
+            getattr(args, "deepspeed_config", None) is not None:
+        # DeepSpeed refuses a config both in args and in the call; a copy keeps the caller's args unchanged.
+        args = copy.copy(args)
+        args.deepspeed_config = config
+        arguments["args"] = args
+    elif arguments.get("config") is None and arguments.get("config_params") is not None:
+        arguments["config_params"] = config
+    else:
+        arguments["config"] = config

@@ -27,7 +27,7 @@ from deepspeed.runtime.zero import partition_parameters
 
 from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt
-from safe_zero.options import SafeZeroOptions
+from safe_zero.options import SafeZeroOptions, resolve_config
 from safe_zero.patching import overrides, swapped
 from safe_zero.session import Session, made_current, session_for
 
@@ -44,8 +44,6 @@ class Init(WaitEveryCoalescedGather, STOCK_INIT):
 
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from safe_zero.injection import resolve_config
-
         arguments = _STOCK_SIGNATURE.bind(self, *args, **kwargs).arguments
         config = arguments.get("config_dict_or_path") or arguments.get("config")
         session = Session(options=SafeZeroOptions.from_config(resolve_config({"config": config})))

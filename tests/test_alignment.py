@@ -13,6 +13,7 @@ from torch import nn
 
 import safe_zero
 from safe_zero import alignment
+from safe_zero.options import pass_config
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
 from tests.models import OddExperts, TinyGptOss, build, ds_config
@@ -146,14 +147,14 @@ def _bind(**kwargs):
 def test_pass_config_keeps_the_callers_route():
     new = {"new": True}
     bound = _bind(model=None, config="ds.json")
-    alignment.pass_config(bound, new)
+    pass_config(bound, new)
     assert bound.arguments["config"] is new
     bound = _bind(model=None, config_params="ds.json")
-    alignment.pass_config(bound, new)
+    pass_config(bound, new)
     assert bound.arguments["config_params"] is new and "config" not in bound.arguments
     args = types.SimpleNamespace(deepspeed_config="ds.json", local_rank=0)
     bound = _bind(args=args, model=None)
-    alignment.pass_config(bound, new)
+    pass_config(bound, new)
     assert bound.arguments["args"].deepspeed_config is new and "config" not in bound.arguments
     assert args.deepspeed_config == "ds.json", "the caller's args must stay as they were"
 

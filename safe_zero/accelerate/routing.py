@@ -21,9 +21,9 @@ import deepspeed
 
 from safe_zero import chaining
 from safe_zero.errors import InjectionError, WorldSizeMismatchError  # noqa: F401  (re-exported)
-from safe_zero.injection import STOCK_INITIALIZE, STOCK_SIGNATURE, resolve_config
+from safe_zero.injection import STOCK_INITIALIZE, STOCK_SIGNATURE
 from safe_zero.patching import LOCK, swap
-from safe_zero.options import CONFIG_KEY, SafeZeroOptions
+from safe_zero.options import CONFIG_KEY, SafeZeroOptions, resolve_config
 from safe_zero.session import Session
 
 
