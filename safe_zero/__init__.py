@@ -40,7 +40,7 @@ from safe_zero.injection import (
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
 from safe_zero.fixes.zero3_zero_element import get_fp32_state_dict_from_zero_checkpoint
-from safe_zero.zero_init import Init, zero_init
+from safe_zero.zero_init import Init
 
 __version__ = "0.1.0"
 
@@ -79,5 +79,4 @@ __all__ = [
     "verify_bindings",
     "verify_overrides",
     "get_fp32_state_dict_from_zero_checkpoint",
-    "zero_init",
 ]

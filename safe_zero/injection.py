@@ -84,12 +84,10 @@ def verify_bindings(bindings: tuple[Binding, ...] = BINDINGS) -> None:
 def verify_overrides(classes: tuple[type, ...] | None = None) -> None:
     """Raise :class:`DeepSpeedDriftError` if a DeepSpeed method a fix overrides is gone or takes other arguments.
 
-    Checks every ``@overrides`` method of the mixins of ``classes`` (default: every safe class, and
-    :class:`safe_zero.Init`) against the DeepSpeed class it extends.
+    Checks every ``@overrides`` method of the mixins of ``classes`` (default: every safe class) against
+    the DeepSpeed class it extends.
     """
-    from safe_zero.zero_init import Init
-
-    patching.verify_overrides(wrappers.OVERRIDING + (Init,) if classes is None else classes)
+    patching.verify_overrides(wrappers.OVERRIDING if classes is None else classes)
 
 
 #: DeepSpeed's own ``initialize``, and its signature (safe_zero's routes present it as theirs).

@@ -16,12 +16,10 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-from deepspeed.runtime.zero.partition_parameters import Init
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
 from safe_zero.fixes.gradless_params import ReduceInOneOrderStage3, ReduceInOneOrderStage12
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
@@ -30,6 +28,7 @@ from safe_zero.fixes.zero3_zero_element import (AdoptZeroElementParams, Material
                                                  SafeCUDAQuantizer, SafeGatheredTensor)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
 from safe_zero.session import CapturesSession
+from safe_zero.zero_init import Init as SafeZeroInit
 
 
 class SafeFP16_Optimizer(CapturesSession, AlignFlatGroups, ExcludeZeroElementParams, FP16_Optimizer):
@@ -56,10 +55,6 @@ class SafeDeepSpeedZeroOptimizer_Stage3(CapturesSession, AlignStage3SubGroups, R
 
 class SafeDeepSpeedZeRoOffload(CapturesSession, AlignAllReduceFetch, AdoptZeroElementParams, DeepSpeedZeRoOffload):
     """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
-
-
-class SafeZeroInit(CapturesSession, WaitEveryCoalescedGather, Init):
-    """The ``zero.Init`` ZeRO-3 builds to partition a model that is not partitioned yet; its gathers stay with it."""
 
 
 class SafePartitionedParameterCoordinator(CapturesSession, GuardGatheredAlignment, MaterializeZeroElementOnFetch,

@@ -14,7 +14,8 @@ takes the same arguments and does the same, and in addition
 
 The fixes it applies follow the ``"safe_zero"`` block of the config passed as
 ``config_dict_or_path`` (or ``config``), like :func:`safe_zero.initialize`. ``safe_zero.install()``
-makes ``deepspeed.zero.Init`` this class (``uninstall()`` restores DeepSpeed's).
+makes ``deepspeed.zero.Init`` this class (``uninstall()`` restores DeepSpeed's); ``safe_zero.initialize``
+binds it where ZeRO-3 partitions a model that no ``zero.Init`` built.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import torch
 from deepspeed.runtime.zero import partition_parameters
 
 from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
-from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt
+from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt, is_zero_element
 from safe_zero.options import SafeZeroOptions, resolve_config
 from safe_zero.patching import overrides, swapped
-from safe_zero.session import Session, made_current, session_for
+from safe_zero.session import Session, current_session, made_current, session_for
 
 STOCK_INIT = partition_parameters.Init
 _STOCK_SIGNATURE = inspect.signature(STOCK_INIT.__init__)
@@ -38,29 +39,36 @@ _STOCK_SIGNATURE = inspect.signature(STOCK_INIT.__init__)
 class Init(WaitEveryCoalescedGather, STOCK_INIT):
     """Drop-in for ``deepspeed.zero.Init`` (same arguments, also usable as a context manager).
 
-    Options come from the ``"safe_zero"`` block of ``config_dict_or_path``/``config``; without a
-    config every fix is ``"auto"``.
+    The one safe ``zero.Init``: the class users build models under, and the class ``safe_zero.initialize``
+    binds where ZeRO-3 partitions a model that is not partitioned yet. Inside ``safe_zero.initialize``
+    it joins that call's session; elsewhere its options come from the ``"safe_zero"`` block of
+    ``config_dict_or_path``/``config`` (without a config every fix is ``"auto"``).
     """
 
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         arguments = _STOCK_SIGNATURE.bind(self, *args, **kwargs).arguments
-        config = arguments.get("config_dict_or_path") or arguments.get("config")
-        session = Session(options=SafeZeroOptions.from_config(resolve_config({"config": config})))
+        session = current_session()
+        if session is None:
+            config = arguments.get("config_dict_or_path") or arguments.get("config")
+            session = Session(options=SafeZeroOptions.from_config(resolve_config({"config": config})))
         object.__setattr__(self, "_safe_zero_session", session)
+        # A model given whole is adopted after partitioning, only if it has zero-element parameters (as
+        # the ZeRO-3 engine does); under the context manager they are not known yet, module by module.
+        self._safe_zero_adopt_each = arguments.get("module") is None
         # The quantizer is built in the stock constructor, from the module global; bind the guarded
         # one (and this session, which it captures) just for that call.
         with made_current(session), swapped(partition_parameters, "CUDAQuantizer", SafeCUDAQuantizer):
             super().__init__(*args, **kwargs)
+        module = arguments.get("module")
+        if module is not None and session.uses(FIX):
+            params = list(module.parameters())
+            if any(is_zero_element(p) for p in params):
+                adopt(params, session)
 
     @overrides
     def _convert_to_deepspeed_param(self, param: torch.nn.Parameter) -> None:
         super()._convert_to_deepspeed_param(param)
         session = session_for(self)
-        # Whether the model has zero-element parameters is not known yet, module by module: adopt all.
-        if session.uses(FIX):
+        if getattr(self, "_safe_zero_adopt_each", True) and session.uses(FIX):
             adopt([param], session)
-
-
-zero_init = Init
-"""Alias of :class:`Init` for code that prefers a function-style name."""
