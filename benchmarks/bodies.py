@@ -142,3 +142,46 @@ def all_gathers_per_step(k: int, steps: int = 3) -> list[int]:
         for name in names:
             delattr(comm.cdb, name)
     return per_step
+
+
+COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_base",
+               "all_gather_coalesced", "broadcast", "all_to_all_single")
+
+
+def collectives_per_step(stage: int, safe: bool, steps: int = 3) -> list[dict[str, int]]:
+    """Per step: calls of each collective DeepSpeed's comm backend issues on ``Wide`` (every rank uses every parameter).
+
+    ``all_reduce_bytes`` adds up the bytes those all-reduces carry, to size any collective safe_zero adds.
+    """
+    from deepspeed.comm import comm
+
+    torch.manual_seed(0)
+    engine = _engine(Wide(), stage, safe=safe)
+    step: dict[str, int] = {}
+
+    def counting(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            step[name] = step.get(name, 0) + 1
+            if name == "all_reduce":
+                tensor = kwargs.get("tensor", args[0] if args else None)
+                step["all_reduce_bytes"] = step.get("all_reduce_bytes", 0) + tensor.numel() * tensor.element_size()
+            return fn(*args, **kwargs)
+        return wrapper
+
+    names = [name for name in COLLECTIVES if hasattr(comm.cdb, name)]
+    for name in names:
+        setattr(comm.cdb, name, counting(name, getattr(comm.cdb, name)))
+    try:
+        x = torch.randn(8, 256).to(torch.bfloat16)
+        per_step = []
+        for _ in range(steps):
+            step.clear()
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            per_step.append(dict(step))
+    finally:
+        for name in names:
+            delattr(comm.cdb, name)
+    return per_step

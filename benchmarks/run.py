@@ -97,6 +97,10 @@ def main() -> int:
             "step_time": {f"zero{stage}": step_time_ratio(pool, stage) for stage in (2, 3)},
             "all_gathers_per_step": {f"k{k}": max(max(r) for r in [pool.run(bodies.all_gathers_per_step, k=k)])
                                      for k in (0, 4)},
+            "collectives_per_step": {f"zero{stage}": {which: pool.run(bodies.collectives_per_step, stage=stage,
+                                                                      safe=which == "safe_zero")[0][-1]
+                                                      for which in ("stock", "safe_zero")}
+                                     for stage in (2, 3)},
         }
     finally:
         pool.close()
@@ -117,6 +121,13 @@ def main() -> int:
     ag = results["all_gathers_per_step"]
     lines.append(f"| all-gathers per ZeRO-3 step (steps 1-3), K=4 all-zero-sized submodules vs K=0 | {ag['k0']} (K=0) | "
                  f"{ag['k4']} (K=4) | {'equal' if ag['k0'] == ag['k4'] else 'DIFFERENT'} | equal |")
+    for stage, counts in results["collectives_per_step"].items():
+        def listed(c: dict) -> str:
+            return ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if k != "all_reduce_bytes")
+        extra = counts["safe_zero"].get("all_reduce_bytes", 0) - counts["stock"].get("all_reduce_bytes", 0)
+        lines.append(f"| collectives per {stage} step, control model (every rank uses every parameter) | "
+                     f"{listed(counts['stock'])} | {listed(counts['safe_zero'])} | +{extra} B all-reduced "
+                     "(gradless_params' agreement: 1 byte per trainable parameter) | one small all-reduce |")
     lines.append(f"| `import safe_zero` after `import deepspeed` | | | {results['import_safe_zero_ms']:.1f} ms | <= 50 ms |")
     for row in results["alignment_padding"] or []:
         lines.append(f"| alignment padding, {row['layout']} | | | {row['bytes']} B "

@@ -131,7 +131,7 @@ def unreachable_modes(config: Mapping[str, Any] | None) -> list[str]:
     return modes
 
 
-def fixes_the_model_needs(model: Any, plan: alignment.AlignmentPlan) -> list[str]:
+def fixes_the_model_needs(model: Any, plan: alignment.AlignmentPlan, leaf_blocks: Mapping[str, Any] = {}) -> list[str]:
     """What safe_zero would have to fix in ``model``, as far as it shows before training: zero-element
     trainable parameters and grouped_mm weights to keep aligned. (A parameter autograd leaves without a
     gradient only shows in backward; stock DeepSpeed fails on it in these modes as it does elsewhere.)"""
@@ -141,17 +141,19 @@ def fixes_the_model_needs(model: Any, plan: alignment.AlignmentPlan) -> list[str
                  if p.requires_grad and getattr(p, "ds_numel", p.numel()) == 0]
         if empty:
             needs.append(f"zero-element parameter(s) {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}")
+    if leaf_blocks:
+        needs.append(f"MoE block(s) {', '.join(list(leaf_blocks)[:3])} gathered whole under ZeRO-3")
     if plan.active:
         needs.append(f"16-byte alignment of grouped_mm weight(s) {', '.join(list(plan.params)[:3]) or '(alignment: true)'}")
     return needs
 
 
 def check_reachable(config: Mapping[str, Any] | None, model: Any = None,
-                    plan: alignment.AlignmentPlan = alignment.NO_PLAN) -> list[str]:
+                    plan: alignment.AlignmentPlan = alignment.NO_PLAN, leaf_blocks: Mapping[str, Any] = {}) -> list[str]:
     """Decide what to do with a mode the injection cannot reach: the modes to run stock when ``model``
     needs no fix (never worse than stock), an :class:`UnreachableModeError` when it needs one."""
     modes = unreachable_modes(config)
-    needs = fixes_the_model_needs(model, plan) if modes else []
+    needs = fixes_the_model_needs(model, plan, leaf_blocks) if modes else []
     if needs:
         raise UnreachableModeError(
             f"safe_zero cannot inject its fixes into {', '.join(modes)}: DeepSpeed binds those classes at "
@@ -197,9 +199,9 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
     config = resolve_config(arguments)
     session = Session(options=SafeZeroOptions.from_config(config))
     check_precision(config)
-    leaf_modules.make_moe_blocks_leaves(arguments.get("model"), config, session)
+    leaf_blocks = leaf_modules.blocks_to_gather_whole(arguments.get("model"), config, session)
     adjusted = alignment.prepare_config(arguments.get("model"), config, session)
-    stock_modes = check_reachable(config, arguments.get("model"), alignment.plan_for(session))
+    stock_modes = check_reachable(config, arguments.get("model"), alignment.plan_for(session), leaf_blocks)
     if stock_modes:  # nothing to fix: the mode runs exactly as stock DeepSpeed runs it
         from deepspeed.utils import log_dist
 
@@ -208,6 +210,7 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
         result = inner(*args, **kwargs)
         result[0].safe_zero_session = session
         return result
+    leaf_modules.make_leaves(leaf_blocks, session)
     if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
         pass_config(bound, adjusted)
         args, kwargs = bound.args, bound.kwargs

@@ -50,9 +50,9 @@ def moe_blocks(model: nn.Module, add: Iterable[str] = (), remove: Iterable[str] 
     return found
 
 
-def make_moe_blocks_leaves(model: Any, config: dict[str, Any] | None, session: Any) -> dict[str, nn.Module]:
-    """Mark the MoE blocks of a ZeRO-3 model as leaf modules (when the ``gradless_params`` fix is on); report them."""
-    from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
+def blocks_to_gather_whole(model: Any, config: dict[str, Any] | None, session: Any) -> dict[str, nn.Module]:
+    """The MoE blocks of a ZeRO-3 model that are not leaf modules yet (none when the ``gradless_params`` fix is off)."""
+    from deepspeed.utils import z3_leaf_module
 
     from safe_zero.fixes.gradless_params import FIX
 
@@ -61,10 +61,17 @@ def make_moe_blocks_leaves(model: Any, config: dict[str, Any] | None, session: A
         return {}
     options = session.options.leaf_modules
     blocks = moe_blocks(model, options.get("add", ()), options.get("remove", ()))
-    new = {name: module for name, module in blocks.items() if not z3_leaf_module(module)}
-    for module in new.values():
+    return {name: module for name, module in blocks.items() if not z3_leaf_module(module)}
+
+
+def make_leaves(blocks: dict[str, nn.Module], session: Any) -> None:
+    """Mark ``blocks`` as ZeRO-3 leaf modules and report them."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    from safe_zero.fixes.gradless_params import FIX
+
+    for module in blocks.values():
         set_z3_leaf_module(module, True)
-    if new:
-        classes = sorted({type(m).__name__ for m in new.values()})
-        session.engaged(FIX, f"{len(new)} MoE block(s) gathered whole as ZeRO-3 leaf modules ({', '.join(classes)})")
-    return blocks
+    if blocks:
+        classes = sorted({type(m).__name__ for m in blocks.values()})
+        session.engaged(FIX, f"{len(blocks)} MoE block(s) gathered whole as ZeRO-3 leaf modules ({', '.join(classes)})")

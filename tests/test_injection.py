@@ -182,6 +182,19 @@ def test_a_mode_the_injection_cannot_reach_is_refused_where_the_model_needs_a_fi
         safe_zero.initialize(model=build(model_cls), config=config)
 
 
+def test_deepcompile_is_refused_for_an_moe_whose_blocks_zero3_must_gather_whole():
+    import safe_zero
+    from deepspeed.utils import z3_leaf_module
+
+    from tests.models import ExpertMoE
+
+    model = build(ExpertMoE)
+    config = {"zero_optimization": {"stage": 3}, "compile": {"deepcompile": True}}
+    with pytest.raises(safe_zero.UnreachableModeError, match="DeepCompile.*MoE block.*moe.*gathered whole"):
+        safe_zero.initialize(model=model, config=config)
+    assert not z3_leaf_module(model.moe), "a refused initialize leaves the model as it was"
+
+
 def test_fp16_on_the_cpu_accelerator_gets_an_actionable_error():
     import safe_zero
 

@@ -40,3 +40,15 @@ def test_safe_zero_order_aligns_gpt_oss_with_sinks_without_padding():
     assert row["misaligned in stock layout"] > 0
     assert row["misaligned in safe_zero order"] == 0
     assert row["parameter_alignment pad"] <= 15 * row["off-grid params"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_only_collective_safe_zero_adds_is_one_small_all_reduce_per_step(ranks, stage):
+    """gradless_params' agreement: one all-reduce of one byte per trainable parameter (Wide: 4 layers x 2 = 8)."""
+    if stage == 2 and flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
+        pytest.skip("stock ZeRO-2 cannot step at 2 gloo ranks on this DeepSpeed (flat_buffer_autograd): no baseline")
+    stock = ranks.run(2, bodies.collectives_per_step, stage=stage, safe=False)[0]
+    safe = ranks.run(2, bodies.collectives_per_step, stage=stage, safe=True)[0]
+    for before, after in zip(stock, safe):
+        extra = {name: after.get(name, 0) - before.get(name, 0) for name in set(before) | set(after)}
+        assert {name: n for name, n in extra.items() if n} == {"all_reduce": 1, "all_reduce_bytes": 8}, (before, after)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packaging.version import Version
-
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd
 from tests.models import ExpertMoE, OptionalTower, build, expert_batch
@@ -75,6 +73,12 @@ def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: in
     return {"params": state, "losses": losses, "report": report}
 
 
+def _cpu_skips_uncontiguous_all_reduce() -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import split_half_float_double
+
+    return split_half_float_double([torch.zeros(1)]) == []
+
+
 def reference(model: str, world_size: int, accumulation: int = 1) -> dict[str, torch.Tensor]:
     """Single-process fp32 AdamW on the global batch."""
     net = build(MODELS[model])
@@ -121,8 +125,10 @@ def test_stock_zero12_trains_an_moe_with_rank_dependent_experts_silently_wrong(r
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("route", list(ZERO12_ROUTES))
 def test_safe_zero12_is_ddp_exact_on_an_moe_with_rank_dependent_experts(ranks, route, world_size):
-    if route == "stage2-no-contiguous" and DEEPSPEED_VERSION < Version("0.19"):
-        pytest.xfail("not DDP-exact yet on DeepSpeed 0.18.x with contiguous_gradients=false (error ~0.05, cause open)")
+    if route == "stage2-no-contiguous" and _cpu_skips_uncontiguous_all_reduce():
+        pytest.xfail("this DeepSpeed never all-reduces ZeRO-2 gradients with contiguous_gradients=false on the CPU "
+                     "accelerator (split_half_float_double matches no CPU tensor type): every rank trains on its own "
+                     "gradient, stock or safe_zero; CUDA is not affected")
     results = ranks.run(world_size, _train, model="moe", safe=True, world_size=world_size, **ZERO12_ROUTES[route])
     expected = reference("moe", world_size)
     for r in results:
