@@ -39,7 +39,7 @@ from safe_zero.injection import (
 )
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
-from safe_zero.fixes.zero3_zero_element import get_fp32_state_dict_from_zero_checkpoint
+from safe_zero.fixes.zero3_zero_element_params import get_fp32_state_dict_from_zero_checkpoint
 from safe_zero.zero_init import Init
 
 __version__ = "0.1.0"

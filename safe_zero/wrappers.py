@@ -24,8 +24,8 @@ from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
 from safe_zero.fixes.gradless_params import ReduceInOneOrderStage3, ReduceInOneOrderStage12
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
                                                    AlignStage3SubGroups, GuardGatheredAlignment)
-from safe_zero.fixes.zero3_zero_element import (AdoptZeroElementParams, MaterializeZeroElementOnFetch,
-                                                 SafeCUDAQuantizer, SafeGatheredTensor)
+from safe_zero.fixes.zero3_zero_element_params import (AdoptZeroElementParams, MaterializeZeroElementOnFetch,
+                                                        SafeCUDAQuantizer, SafeGatheredTensor)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
 from safe_zero.session import CapturesSession
 from safe_zero.zero_init import Init as SafeZeroInit

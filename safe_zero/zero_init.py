@@ -6,7 +6,7 @@ Under ``deepspeed.zero.Init`` parameters are partitioned as each submodule is bu
 takes the same arguments and does the same, and in addition
 
 - keeps zero-element parameters out of every gather it issues (see
-  :mod:`safe_zero.fixes.zero3_zero_element`), and
+  :mod:`safe_zero.fixes.zero3_zero_element_params`), and
 - builds its weight quantizer (``zero_quantized_weights`` /
   ``zero_quantized_nontrainable_weights``) with the empty-partition guard, and
 - completes every all-gather of a blocking coalesced gather before returning (see
@@ -27,7 +27,7 @@ import torch
 from deepspeed.runtime.zero import partition_parameters
 
 from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
-from safe_zero.fixes.zero3_zero_element import FIX, SafeCUDAQuantizer, adopt, is_zero_element
+from safe_zero.fixes.zero3_zero_element_params import FIX, SafeCUDAQuantizer, adopt, is_zero_element
 from safe_zero.options import SafeZeroOptions, resolve_config
 from safe_zero.patching import overrides, swapped
 from safe_zero.session import Session, current_session, made_current, session_for

@@ -27,6 +27,7 @@ def test_every_fix_module_is_in_fixes():
 @pytest.mark.parametrize("module", MODULES)
 def test_a_fix_has_a_test_file_a_readme_row_a_probe_and_a_place_in_the_safe_classes(module):
     fix = _fix_module(module).FIX
+    assert fix.name == module, "name the module after FIX.name (the config key)"
     assert (ROOT / "tests" / "fixes" / f"test_{module}.py").is_file(), f"tests/fixes/test_{module}.py"
     assert f"| `{fix.name}` |" in (ROOT / "README.md").read_text(), f"README row for {fix.name} under 'The fixes'"
     assert (fix.probe is None) != (fix.no_probe is None)

@@ -1,4 +1,4 @@
-"""Drift safety for overrides: a DeepSpeed method a fix overrides that is renamed or re-signatured is refused at import."""
+"""Drift safety: a DeepSpeed method a fix overrides that is renamed or re-signatured is refused at import."""
 
 import inspect
 
@@ -46,7 +46,7 @@ def test_a_re_signatured_deepspeed_method_is_named_in_the_error(monkeypatch):
 
 
 def test_a_decorated_deepspeed_method_is_checked_through_its_decorators(monkeypatch):
-    """``instrument_w_nvtx`` hides ``fetch_sub_module``'s signature behind ``(*args, **kwargs)`` without ``__wrapped__``."""
+    """``instrument_w_nvtx`` hides ``fetch_sub_module``'s signature behind ``(*args, **kwargs)``, no ``__wrapped__``."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     from safe_zero import DeepSpeedDriftError, verify_overrides

@@ -1,7 +1,7 @@
 """GPU check: DeepSpeed's real ZeRO-3 CUDA weight quantizer on an empty partition, stock vs safe_zero.
 
 CPU CI reaches the guard only through a pure-torch stand-in for the compiled kernels
-(``tests/fixes/test_zero3_zero_element.py``); this script runs the real ``QuantizerBuilder``
+(``tests/fixes/test_zero3_zero_element_params.py``); this script runs the real ``QuantizerBuilder``
 kernels. One GPU, one process; most of its time is the kernel's JIT build. Run from the repo
 root (``benchmarks/gpu_check.sh`` does). Prints one ``RESULT`` line per check, exits 1 if any fails.
 
@@ -36,7 +36,7 @@ def _dequantize(quantizer, q, scale, dtype):
 def kernel_checks() -> None:
     from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
-    from safe_zero.fixes.zero3_zero_element import SafeCUDAQuantizer
+    from safe_zero.fixes.zero3_zero_element_params import SafeCUDAQuantizer
 
     empty = torch.empty(0, dtype=torch.bfloat16, device="cuda")
     try:
