@@ -1,7 +1,7 @@
-"""The patching primitives: one lock, one way to rebind a global for a while, and marked overrides.
+"""The patching primitives: one lock, one way to rebind a global (for a call or until undone), and marked overrides.
 
 A leaf module (it imports nothing of safe_zero but :mod:`safe_zero.errors`): the injection, the
-integrations and ``safe_zero.Init`` all rebind DeepSpeed globals, and do it only through
+integrations and ``safe_zero.Init`` all rebind DeepSpeed globals, and do it only through :func:`swap` or
 :func:`swapped`, under :data:`LOCK`, so nested and concurrent swaps restore what was there before.
 """
 
