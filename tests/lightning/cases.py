@@ -315,3 +315,32 @@ def trainer_predicts(stage: int) -> dict[str, Any]:
         "options_carried": engine.safe_zero_session.options.alignment_guard is False,
         "fixes_engaged": sorted(engine.safe_zero_session.report),
     }
+
+
+class CliModule(Module):
+    """:class:`Module` with its own data, as a LightningCLI ``model`` (the CLI needs no datamodule then)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return data(self.trainer.world_size)
+
+
+def cli_fits(tmp: str, yaml_text: str, cli_args: list[str]) -> dict[str, Any]:
+    """``LightningCLI(CliModule)`` with ``fit --config <yaml_text> <cli_args>``, as a user's CLI script runs it."""
+    from lightning.pytorch.cli import LightningCLI
+
+    config = os.path.join(tmp, "config.yaml")
+    with open(config, "w") as f:
+        f.write(yaml_text)
+    torch.manual_seed(0)
+    cli = LightningCLI(CliModule, args=["fit", "--config", config, *cli_args], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    session = strategy.model.safe_zero_session
+    return {
+        "strategy": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
+        "stage": strategy.config["zero_optimization"]["stage"],
+        "offload_param": strategy.config["zero_optimization"].get("offload_param", {}).get("device"),
+        "block": strategy.config.get("safe_zero"),
+        "alignment_guard": session.options.alignment_guard,
+        "fixes_engaged": sorted(session.report),
+        "losses": cli.model.losses,
+    }
