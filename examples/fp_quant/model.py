@@ -75,6 +75,7 @@ def load_model(checkpoint: str | os.PathLike) -> torch.nn.Module:
     return model
 
 
+<<<<<<< HEAD
 def allow_trainer_fine_tuning(model: torch.nn.Module) -> None:
     """Let HF ``Trainer`` fine-tune this model's non-quantized parameters (transformers' refusal, lifted knowingly).
 
@@ -95,6 +96,10 @@ def allow_trainer_fine_tuning(model: torch.nn.Module) -> None:
 
 def summarize(session: Any) -> str:
     """What each safe_zero fix did (``engine.safe_zero_session``), one line per fix, repeats counted."""
+=======
+def summarize(report: dict[str, list[str]]) -> str:
+    """What each safe_zero fix did (``engine.safe_zero_session.report``), one line per fix, repeats counted."""
+>>>>>>> trl
     lines = []
     for name, events in sorted(session.counts.items()):
         kinds: Counter[str] = Counter()
