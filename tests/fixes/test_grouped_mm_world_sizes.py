@@ -15,10 +15,11 @@ import time
 import pytest
 import torch
 
-from tests.models import OddExperts, TinyDeepseekV3, TinyGptOss, TinyOlmoe, TinyQwen3Moe, batches, build, ds_config
+from tests.models import (Gradless, OddExperts, TinyDeepseekV3, TinyGptOss, TinyOlmoe, TinyQwen3Moe, ZeroSized, batches,
+                          build, ds_config)
 
 LAYOUTS = {"deepseek_v3": TinyDeepseekV3, "gpt_oss": TinyGptOss, "qwen3_moe": TinyQwen3Moe, "olmoe": TinyOlmoe,
-           "odd": OddExperts}
+           "odd": OddExperts, "zero_sized": ZeroSized, "gradless": Gradless}
 # ZeRO-3 fetch paths: the ordinary fetch with coalesced fetches of several experts (a small prefetch bucket and no
 # persistent parameters), and the all-reduce fetch.
 ZERO3_PATHS = {
