@@ -73,11 +73,13 @@ def emit(text: str) -> None:
     os.write(sys.stdout.fileno(), f"{text}\n".encode())
 
 
-def summarize(report: dict[str, list[str]]) -> str:
-    """What each safe_zero fix did (``engine.safe_zero_session.report``), one line per fix, repeats counted."""
+def summarize(session: Any) -> str:
+    """What each safe_zero fix did (``engine.safe_zero_session``), one line per fix, repeats counted."""
     lines = []
-    for name, events in sorted(report.items()):
-        kinds = Counter(re.sub(r"\(\d+(, \d+)*\)", "(...)", event) for event in events)
+    for name, events in sorted(session.counts.items()):
+        kinds: Counter[str] = Counter()
+        for event, times in events.items():
+            kinds[re.sub(r"\(\d+(, \d+)*\)", "(...)", event)] += times
         lines.append(f"  {name}: " + "; ".join(what + (f" (x{n})" if n > 1 else "") for what, n in kinds.items()))
     return "\n".join(lines)
 
@@ -97,5 +99,5 @@ def report_run(trainer: Any, tag: str) -> dict[str, list[str]]:
     emit(f"[{tag} rank {args.process_index}/{args.world_size}] ZeRO-{engine.zero_optimization_stage()} losses: "
          f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {engaged}")
     if args.process_index == 0 and report:
-        emit(summarize(report))
+        emit(summarize(session))
     return report

@@ -85,17 +85,6 @@ class SafeZeroCallback(TrainerCallback):
         if state.is_world_process_zero:
             log.warning("safe_zero: Trainer's DeepSpeed engine built by safe_zero; %s", session.describe())
 
-<<<<<<< HEAD
-=======
-
-def describe(session: Any) -> str:
-    """One line: the fixes a session has on, and what they did at initialize."""
-    from safe_zero.fixes import FIXES
-
-    on = [name for name, fix in FIXES.items() if session.uses(fix)]
-    acted = ", ".join(f"{name} ({'; '.join(what)})" for name, what in session.report.items()) or "none yet"
-    return f"fixes on: {', '.join(on) or 'none'}; engaged at initialize: {acted}"
-
 
 # ----------------------------------------------------------------------------------------------
 # Quantized models whose quantized weights cannot learn.
@@ -159,4 +148,3 @@ def allow_trainer_fine_tuning(model: Any) -> Any:
             "quantization_config (or the PeftModel wrapping it).")
     quantizer.__class__ = _trainable_twin(type(quantizer))
     return model
->>>>>>> trl
