@@ -168,3 +168,20 @@ def test_trl_sft_fp_quant_stock_fails(fp_quant_workdir: str) -> None:
     output = trl_launch("sft_fp_quant.py", "--workdir", fp_quant_workdir, "--stock", fails=True)
     assert "ValueError: torch.cat(): expected a non-empty list of Tensors" in output, output[-4000:]
     assert "safe_zero engaged" not in output
+
+
+# ---------------------------------------------------------------------------------------------- MoE expert modules
+
+def test_moe_experts_hf_trainer_two_processes(tmp_path: Path) -> None:
+    """A remote-code-style MoE (expert ModuleList) trains at ZeRO-3 through the HF Trainer on 2 processes with no
+    leaf-module configuration (stock DeepSpeed stops on it: tests/fixes/test_gradless_params_ranks.py)."""
+    for module in ("transformers", "accelerate"):
+        pytest.importorskip(module)
+    output = run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
+                 "--num_processes", "2", "examples/moe_experts/train_hf_trainer.py", "--steps", str(STEPS),
+                 "--output-dir", str(tmp_path))
+    for rank in (0, 1):
+        stage, losses, engaged = result_line(output, f"moe_experts rank {rank}/2")
+        assert stage == 3 and len(losses) == STEPS and losses[-1] < losses[0], losses
+        assert "gradless_params" in engaged
+    assert "gradless_params: 2 MoE block(s) gathered whole as ZeRO-3 leaf modules (TinyMoE)" in output
