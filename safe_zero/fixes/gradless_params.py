@@ -24,8 +24,9 @@ The fix has one mechanism for all of them. At the first gradient hook of a backw
 each rank asks autograd which trainable parameters this backward will reach
 (``torch._C._will_engine_execute_node``, as DeepSpeed's own ``count_used_parameters_in_backward``
 does), and the ranks agree in one all-reduce (MIN over a ``uint8`` flag per parameter, one byte per
-trainable parameter, per data-parallel group). Parameters every rank reaches go through DeepSpeed's
-hook path unchanged. The others are held back and reduced at the backward's epilogue, in parameter
+trainable parameter, per data-parallel group) that runs in the background; hooks that fire before it
+lands wait in a queue, in arrival order. Parameters every rank reaches go through DeepSpeed's hook path
+unchanged, in the order their hooks fired. The others are held back and reduced at the backward's epilogue, in parameter
 order, on every rank, with a zero gradient where a rank has none -- also when no rank has one, like
 a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
 layout. On a model where every rank uses every parameter nothing is held back: the only cost is
