@@ -6,7 +6,7 @@ DS_MAIN     := 0.19.8
 DS_LEGACY   := 0.18.9
 VENV        := .venv
 VENV_LEGACY := .venv-ds$(DS_LEGACY)
-EXTRAS      := dev,lightning,accelerate,transformers,examples
+EXTRAS      := dev,lightning,accelerate,transformers,examples,trl
 PYTEST_ARGS ?=
 
 export DS_ACCELERATOR := cpu

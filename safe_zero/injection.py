@@ -24,7 +24,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero import alignment, leaf_modules, patching, wrappers
-from safe_zero._compat import SUPPORTED_DEEPSPEED, check_deepspeed_supported
+from safe_zero._compat import (DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION, SUPPORTED_DEEPSPEED,
+                               check_deepspeed_supported)
 from safe_zero.errors import (DeepSpeedDriftError, InjectionError, UnreachableModeError,  # noqa: F401  (re-exported)
                               UnsupportedPrecisionError)
 from safe_zero.options import SafeZeroOptions, pass_config, resolve_config
@@ -131,29 +132,42 @@ def unreachable_modes(config: Mapping[str, Any] | None) -> list[str]:
     return modes
 
 
-def fixes_the_model_needs(model: Any, plan: alignment.AlignmentPlan, leaf_blocks: Mapping[str, Any] = {}) -> list[str]:
-    """What safe_zero would have to fix in ``model``, as far as it shows before training: zero-element
-    trainable parameters and grouped_mm weights to keep aligned. (A parameter autograd leaves without a
-    gradient only shows in backward; stock DeepSpeed fails on it in these modes as it does elsewhere.)"""
+def fixes_the_model_needs(model: Any, config: Mapping[str, Any] | None, session: Session,
+                          leaf_blocks: Mapping[str, Any] = {}) -> list[str]:
+    """What safe_zero would have to fix in ``model`` under ``config`` on this DeepSpeed, as far as it shows before
+    training: zero-element trainable parameters where a fix for them is on, MoE blocks ZeRO-3 must gather whole,
+    and grouped_mm weights to keep aligned where DeepSpeed's own ``parameter_alignment`` (which safe_zero sets in
+    the config) does not pad. A parameter autograd leaves without a gradient, or that only some ranks use, only
+    shows in backward; stock fails on it in these modes as it does elsewhere.
+    """
+    from safe_zero.fixes import zero3_zero_element_params, zero_element_groups
+
+    zero = (config or {}).get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0) or 0)
     needs = []
-    if isinstance(model, torch.nn.Module):
+    empty_fix = zero3_zero_element_params.FIX if stage == 3 else zero_element_groups.FIX
+    if isinstance(model, torch.nn.Module) and session.uses(empty_fix):
         empty = [name for name, p in model.named_parameters()
                  if p.requires_grad and getattr(p, "ds_numel", p.numel()) == 0]
         if empty:
             needs.append(f"zero-element parameter(s) {', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}")
     if leaf_blocks:
         needs.append(f"MoE block(s) {', '.join(list(leaf_blocks)[:3])} gathered whole under ZeRO-3")
-    if plan.active:
+    plan = alignment.plan_for(session)
+    bf16_optimizer = stage == 1 and ((config or {}).get("bf16") or {}).get("enabled") and \
+        ((config or {}).get("data_types") or {}).get("grad_accum_dtype") == "fp32"
+    padded_by_deepspeed = stage in (1, 2) and not bf16_optimizer and DEEPSPEED_VERSION in PARAMETER_ALIGNMENT_OPTION
+    if plan.active and not padded_by_deepspeed:
         needs.append(f"16-byte alignment of grouped_mm weight(s) {', '.join(list(plan.params)[:3]) or '(alignment: true)'}")
     return needs
 
 
-def check_reachable(config: Mapping[str, Any] | None, model: Any = None,
-                    plan: alignment.AlignmentPlan = alignment.NO_PLAN, leaf_blocks: Mapping[str, Any] = {}) -> list[str]:
+def check_reachable(config: Mapping[str, Any] | None, model: Any = None, session: Session | None = None,
+                    leaf_blocks: Mapping[str, Any] = {}) -> list[str]:
     """Decide what to do with a mode the injection cannot reach: the modes to run stock when ``model``
     needs no fix (never worse than stock), an :class:`UnreachableModeError` when it needs one."""
     modes = unreachable_modes(config)
-    needs = fixes_the_model_needs(model, plan, leaf_blocks) if modes else []
+    needs = fixes_the_model_needs(model, config, session or Session(), leaf_blocks) if modes else []
     if needs:
         raise UnreachableModeError(
             f"safe_zero cannot inject its fixes into {', '.join(modes)}: DeepSpeed binds those classes at "
@@ -201,19 +215,20 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
     check_precision(config)
     leaf_blocks = leaf_modules.blocks_to_gather_whole(arguments.get("model"), config, session)
     adjusted = alignment.prepare_config(arguments.get("model"), config, session)
-    stock_modes = check_reachable(config, arguments.get("model"), alignment.plan_for(session), leaf_blocks)
-    if stock_modes:  # nothing to fix: the mode runs exactly as stock DeepSpeed runs it
+    stock_modes = check_reachable(config, arguments.get("model"), session, leaf_blocks)
+    if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
+        pass_config(bound, adjusted)
+        args, kwargs = bound.args, bound.kwargs
+    if stock_modes:  # nothing for the injection to fix: the mode runs as stock DeepSpeed runs it
         from deepspeed.utils import log_dist
 
-        log_dist(f"safe_zero: no fix applies to this model under {', '.join(stock_modes)}; running stock DeepSpeed",
-                 ranks=[0], level=logging.WARNING)
+        padded = " (with zero_optimization.parameter_alignment on)" if adjusted is not None else ""
+        log_dist(f"safe_zero: no fix applies to this model under {', '.join(stock_modes)}; running stock "
+                 f"DeepSpeed{padded}", ranks=[0], level=logging.WARNING)
         result = inner(*args, **kwargs)
         result[0].safe_zero_session = session
         return result
     leaf_modules.make_leaves(leaf_blocks, session)
-    if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
-        pass_config(bound, adjusted)
-        args, kwargs = bound.args, bound.kwargs
     with injected(session):
         result = inner(*args, **kwargs)
     engine = result[0]

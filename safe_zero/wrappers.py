@@ -23,7 +23,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
 from safe_zero.fixes.gradless_params import ReduceInOneOrderStage3, ReduceInOneOrderStage12
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
-                                                   AlignStage3SubGroups, GuardGatheredAlignment)
+                                                   AlignStage3SubGroups, GuardGatheredAlignment,
+                                                   LoadsUnpaddedCheckpoints)
 from safe_zero.fixes.zero3_zero_element_params import (AdoptZeroElementParams, MaterializeZeroElementOnFetch,
                                                         SafeCUDAQuantizer, SafeGatheredTensor)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
@@ -43,8 +44,9 @@ class SafeBF16_Optimizer(CapturesSession, AlignFlatGroups, ExcludeZeroElementPar
     """ZeRO-1 + bf16 + fp32 gradient accumulation wrapper."""
 
 
-class SafeDeepSpeedZeroOptimizer(CapturesSession, AlignRoundRobinGroups, ReduceInOneOrderStage12,
-                                 ExcludeZeroElementParams, DetachFlatBuffers, DeepSpeedZeroOptimizer):
+class SafeDeepSpeedZeroOptimizer(CapturesSession, AlignRoundRobinGroups, LoadsUnpaddedCheckpoints,
+                                 ReduceInOneOrderStage12, ExcludeZeroElementParams, DetachFlatBuffers,
+                                 DeepSpeedZeroOptimizer):
     """ZeRO-1/2 optimizer."""
 
 

@@ -173,13 +173,36 @@ def test_a_mode_the_injection_cannot_reach_runs_stock_when_the_model_needs_no_fi
     assert any(f"no fix applies to this model under {mode}" in r.getMessage() for r in caplog.records)
 
 
+def _needs_the_injection(mode: str, model_cls: type) -> bool:
+    """Whether the model needs a fix only the injection applies, under this mode, on this DeepSpeed."""
+    from safe_zero._compat import DEEPSPEED_VERSION
+    from safe_zero.alignment import _deepspeed_has_parameter_alignment
+
+    if mode != "ZenFlow":  # ZeRO-3 modes: the ZeRO-3 zero-element fix and ZeRO-3 alignment are needed everywhere
+        return True
+    if model_cls is ZeroSized:  # ZeRO-2: DeepSpeed 0.19.8 keeps zero-element parameters out of the flat groups
+        return DEEPSPEED_VERSION.release < (0, 19, 8)
+    return not _deepspeed_has_parameter_alignment()  # ZenFlow's optimizer takes DeepSpeed's parameter_alignment
+
+
 @pytest.mark.parametrize("config, mode", UNREACHABLE_MODES)
 @pytest.mark.parametrize("model_cls, need", [(ZeroSized, "zero-element parameter"), (OddExperts, "grouped_mm")])
-def test_a_mode_the_injection_cannot_reach_is_refused_where_the_model_needs_a_fix(config, mode, model_cls, need):
+def test_a_mode_the_injection_cannot_reach_is_refused_where_the_model_needs_a_fix(monkeypatch, config, mode,
+                                                                                    model_cls, need):
     import safe_zero
+    from safe_zero import injection
 
-    with pytest.raises(safe_zero.UnreachableModeError, match=f"{mode}.*this model needs .*{need}"):
+    calls = []
+    monkeypatch.setattr(injection, "STOCK_INITIALIZE",
+                        lambda *args, **kwargs: calls.append(kwargs["config"]) or (types.SimpleNamespace(),))
+    if _needs_the_injection(mode, model_cls):
+        with pytest.raises(safe_zero.UnreachableModeError, match=f"{mode}.*this model needs .*{need}"):
+            safe_zero.initialize(model=build(model_cls), config=config)
+        assert calls == []
+    else:  # stock DeepSpeed trains it in this mode: run stock, with DeepSpeed's own padding where alignment needs it
         safe_zero.initialize(model=build(model_cls), config=config)
+        assert len(calls) == 1
+        assert calls[0]["zero_optimization"].get("parameter_alignment") is (True if model_cls is OddExperts else None)
 
 
 def test_deepcompile_is_refused_for_an_moe_whose_blocks_zero3_must_gather_whole():

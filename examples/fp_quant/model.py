@@ -75,24 +75,6 @@ def load_model(checkpoint: str | os.PathLike) -> torch.nn.Module:
     return model
 
 
-def allow_trainer_fine_tuning(model: torch.nn.Module) -> None:
-    """Let HF ``Trainer`` fine-tune this model's non-quantized parameters (transformers' refusal, lifted knowingly).
-
-    ``Trainer.__init__`` refuses FP-Quant models without master weights (``hf_quantizer.is_trainable``
-    is ``store_master_weights``) because their quantized linears cannot learn: ``dqweight`` gets no
-    gradient. The embeddings, norms and ``lm_head`` still can, and that is what this example trains.
-    Only this model's quantizer object answers differently; transformers itself is untouched.
-    """
-    quantizer = model.hf_quantizer
-
-    class _NonQuantizedPartsTrainable(type(quantizer)):  # type: ignore[misc]
-        @property
-        def is_trainable(self) -> bool:
-            return True
-
-    quantizer.__class__ = _NonQuantizedPartsTrainable
-
-
 def summarize(session: Any) -> str:
     """What each safe_zero fix did (``engine.safe_zero_session``), one line per fix, repeats counted."""
     lines = []

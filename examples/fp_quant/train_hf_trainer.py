@@ -4,8 +4,10 @@
     accelerate launch --config_file examples/accelerate/zero3.yaml examples/fp_quant/train_hf_trainer.py
 
 DeepSpeed is configured as usual, with ``TrainingArguments(deepspeed="examples/accelerate/zero3.json")``
-(``--ds-config`` picks another); the only safe_zero line is the callback. The Trainer refuses
-``bf16=True`` on a CPU, so there the run is fp32 (``"bf16": "auto"`` in the JSON follows it).
+(``--ds-config`` picks another). The safe_zero lines: ``allow_trainer_fine_tuning(model)`` (the Trainer
+refuses FP-Quant models without master weights otherwise) and the callback. On a host without a GPU
+the script passes ``use_cpu=True``: transformers then allows ``bf16=True`` (``"bf16": "auto"`` in the
+JSON follows it) and sets up the processes' gloo group itself.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model.py, cpu_
 
 import torch  # noqa: E402
 
-from model import allow_trainer_fine_tuning, build_checkpoint, dataset, describe, load_model, summarize  # noqa: E402
-from safe_zero.accelerate import SafeZeroCallback, cpu_distributed_state  # noqa: E402
+from model import build_checkpoint, dataset, describe, load_model, summarize  # noqa: E402
+from safe_zero.accelerate import SafeZeroCallback, allow_trainer_fine_tuning  # noqa: E402
 
 
 def free_port() -> int:
@@ -37,9 +39,6 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     args = parser.parse_args()
 
-    # Several processes on a CPU-only host: Accelerate's state must use gloo (a no-op on GPUs and for one process
-    # started without a launcher).
-    configured = cpu_distributed_state()
     if "LOCAL_RANK" not in os.environ:
         # `python train_hf_trainer.py` without a launcher: DeepSpeed still needs a (one-process) rendezvous.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -48,13 +47,13 @@ def main() -> None:
     from transformers import Trainer, TrainingArguments
 
     training_args = TrainingArguments(
-        output_dir=os.path.join(args.workdir, "hf_trainer"), deepspeed=args.ds_config, bf16=torch.cuda.is_available(),
+        output_dir=os.path.join(args.workdir, "hf_trainer"), deepspeed=args.ds_config, bf16=True,
+        use_cpu=not torch.cuda.is_available(),  # CPU host: transformers allows bf16 and sets up gloo itself
         per_device_train_batch_size=2, max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0,
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        accelerator_config={"use_configured_state": configured})
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
     with training_args.main_process_first():  # the main process builds the checkpoint, the others then load it
         model = load_model(build_checkpoint(args.workdir))
-    allow_trainer_fine_tuning(model)  # see model.py: Trainer refuses FP-Quant without master weights otherwise
+    allow_trainer_fine_tuning(model)  # the Trainer refuses FP-Quant without master weights otherwise
     rank = training_args.process_index
     if rank == 0:
         print(f"FP-Quant model: {describe(model)}", flush=True)

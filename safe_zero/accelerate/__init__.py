@@ -4,7 +4,9 @@ Three ways in (see ``examples/accelerate/README.md``):
 
 * ``Accelerator(deepspeed_plugin=SafeDeepSpeedPlugin(...))``: Accelerate's ``DeepSpeedPlugin``
   with the same fields and the same ``accelerate launch`` environment, opted in.
-* HF Trainer: ``Trainer(..., callbacks=[SafeZeroCallback()])`` (needs ``transformers``).
+* HF Trainer (and TRL's trainers): ``Trainer(..., callbacks=[SafeZeroCallback()])`` (needs
+  ``transformers``). For a quantized model whose quantized weights cannot learn (FP-Quant without
+  master weights), :func:`allow_trainer_fine_tuning` lifts the Trainer's refusal to fine-tune the rest.
 * Config file: a DeepSpeed JSON with a top-level ``"safe_zero"`` block, plus ``import
   safe_zero.accelerate`` in the script. Importing this package binds
   :func:`install_on_request`: ``deepspeed.initialize`` calls whose config carries the block go
@@ -37,6 +39,7 @@ install_on_request()
 __all__ = [
     "SafeDeepSpeedPlugin",
     "SafeZeroCallback",
+    "allow_trainer_fine_tuning",
     "WorldSizeMismatchError",
     "check_world_size",
     "cpu_distributed_state",
@@ -49,9 +52,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The Trainer callback needs transformers; plain Accelerate users do not.
-    if name == "SafeZeroCallback":
-        from safe_zero.accelerate.trainer import SafeZeroCallback
+    # The Trainer glue needs transformers; plain Accelerate users do not.
+    if name in ("SafeZeroCallback", "allow_trainer_fine_tuning"):
+        from safe_zero.accelerate import trainer
 
-        return SafeZeroCallback
+        return getattr(trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

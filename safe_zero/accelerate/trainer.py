@@ -1,4 +1,8 @@
-"""HF Trainer opt-in: ``Trainer(..., callbacks=[SafeZeroCallback()])``."""
+"""HF Trainer glue: the opt-in ``Trainer(..., callbacks=[SafeZeroCallback()])``, and
+:func:`allow_trainer_fine_tuning` for quantized models whose quantized weights cannot learn (FP-Quant).
+
+Both serve TRL's trainers (``SFTTrainer`` and the others are ``Trainer`` subclasses) unchanged.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from safe_zero.injection import verify_engine
 log = logging.getLogger("safe_zero")
 
 _TRAINER_CPU_HINT = (
-    "HF Trainer builds that state in TrainingArguments: before creating them, call `configured = "
-    "safe_zero.accelerate.cpu_distributed_state()` and pass TrainingArguments(..., "
-    "accelerator_config={\"use_configured_state\": configured}).")
+    "Trainer builds it in TrainingArguments: on a CPU host pass use_cpu=True there (TRL: in SFTConfig), and "
+    "transformers sets it up with gloo and allows bf16. Or, keeping use_cpu=False, call `configured = "
+    "safe_zero.accelerate.cpu_distributed_state()` first and pass accelerator_config={\"use_configured_state\": "
+    "configured}.")
 
 
 class SafeZeroCallback(TrainerCallback):
@@ -80,3 +85,66 @@ class SafeZeroCallback(TrainerCallback):
         if state.is_world_process_zero:
             log.warning("safe_zero: Trainer's DeepSpeed engine built by safe_zero; %s", session.describe())
 
+
+# ----------------------------------------------------------------------------------------------
+# Quantized models whose quantized weights cannot learn.
+
+#: A trainable twin of each quantizer class :func:`allow_trainer_fine_tuning` was given, made once.
+_TRAINABLE_TWINS: dict[type, type] = {}
+
+
+def _trainable_twin(quantizer_class: type) -> type:
+    if getattr(quantizer_class, "_safe_zero_twin_of", None) is not None:
+        return quantizer_class
+    twin = _TRAINABLE_TWINS.get(quantizer_class)
+    if twin is None:
+        twin = type(quantizer_class.__name__, (quantizer_class,), {
+            "__module__": __name__,
+            "__doc__": f"{quantizer_class.__qualname__} whose is_trainable is True: see allow_trainer_fine_tuning.",
+            "_safe_zero_twin_of": quantizer_class,
+            "is_trainable": property(lambda self: True),
+        })
+        _TRAINABLE_TWINS[quantizer_class] = twin
+    return twin
+
+
+def allow_trainer_fine_tuning(model: Any) -> Any:
+    """Let HF ``Trainer`` (and TRL's ``SFTTrainer``) fine-tune a quantized model whose quantized weights cannot learn.
+
+    ``Trainer.__init__`` refuses a model whose transformers quantizer says it is not trainable
+    (``model.hf_quantizer.is_trainable``): "The model you are trying to fine-tune is quantized with
+    QuantizationMethod.FPQUANT but that quantization method do not support training". FP-Quant says
+    so for checkpoints without master weights (``FPQuantConfig(store_master_weights=False)``), because
+    their quantized linears cannot learn: FP-Quant's autograd Function gives their trainable
+    ``dqweight`` no gradient. Everything else in the model (embeddings, norms, ``lm_head``, any layer
+    left unquantized) can, and that is what this lets the Trainer fine-tune. The ``dqweight``
+    parameters keep their values (without weight decay); under DeepSpeed ZeRO they need safe_zero's
+    ``gradless_params`` fix, and FP-Quant's zero-sized placeholders need ``zero3_zero_element_params``
+    at ZeRO-3 (both on by default: pass ``SafeZeroCallback``).
+
+    Only this model's quantizer object answers differently (its class becomes a subclass whose
+    ``is_trainable`` is ``True``); transformers and every other model are untouched. Works on the
+    model itself or on a PEFT ``PeftModel`` wrapping it. Idempotent. Call it before constructing the
+    Trainer.
+
+    To train the quantized linears themselves, quantize with master weights (``store_master_weights=True``,
+    FP-Quant's quantization-aware training), which transformers lets the Trainer train as is. PEFT
+    refuses LoRA on FP-Quant's ``FPQuantLinear`` ("Target module FPQuantLinear() is not supported", a
+    PEFT limit), so LoRA can only go on layers FP-Quant left unquantized; a ``PeftModel`` of a
+    quantized model needs this call as well.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        SafeZeroError: ``model`` carries no transformers quantizer (``model.hf_quantizer``): the
+            Trainer does not refuse it, and there is nothing to allow.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        raise SafeZeroError(
+            f"allow_trainer_fine_tuning: this {type(model).__name__} has no hf_quantizer, so it is not a quantized "
+            "transformers model and HF Trainer does not refuse it; pass the model from_pretrained loaded with its "
+            "quantization_config (or the PeftModel wrapping it).")
+    quantizer.__class__ = _trainable_twin(type(quantizer))
+    return model

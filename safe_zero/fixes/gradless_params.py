@@ -24,8 +24,9 @@ The fix has one mechanism for all of them. At the first gradient hook of a backw
 each rank asks autograd which trainable parameters this backward will reach
 (``torch._C._will_engine_execute_node``, as DeepSpeed's own ``count_used_parameters_in_backward``
 does), and the ranks agree in one all-reduce (MIN over a ``uint8`` flag per parameter, one byte per
-trainable parameter, per data-parallel group). Parameters every rank reaches go through DeepSpeed's
-hook path unchanged. The others are held back and reduced at the backward's epilogue, in parameter
+trainable parameter, per data-parallel group) that runs in the background; hooks that fire before it
+lands wait in a queue, in arrival order. Parameters every rank reaches go through DeepSpeed's hook path
+unchanged, in the order their hooks fired. The others are held back and reduced at the backward's epilogue, in parameter
 order, on every rank, with a zero gradient where a rank has none -- also when no rank has one, like
 a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
 layout. On a model where every rank uses every parameter nothing is held back: the only cost is
@@ -76,29 +77,47 @@ def _reached(params: list[torch.Tensor]) -> list[bool]:
 
 
 class Agreement:
-    """The parameters of one backward that some rank does not reach: they are reduced at the epilogue, in order."""
+    """Which parameters of one backward some rank does not reach, agreed by an all-reduce that runs in the background.
 
-    def __init__(self, graph_task: int, held: set[int]) -> None:
+    Hooks that fire before the answer lands are queued in arrival order and reduced, in that order, once it
+    has: every rank then hands DeepSpeed the same parameters in the same sequence, whenever its own answer
+    arrived, so the buckets and their collectives still match. The parameters some rank misses are held for
+    the epilogue.
+    """
+
+    def __init__(self, graph_task: int, params_by_group: Iterable[tuple[Any, list[torch.Tensor]]]) -> None:
+        from deepspeed import comm as dist
+        from deepspeed.accelerator import get_accelerator
+
         self.graph_task = graph_task
-        self.held = held
+        self.queued: list[tuple[torch.nn.Parameter, tuple]] = []
+        self._held: set[int] | None = None
+        self._pending = []
+        for group, params in params_by_group:
+            if params:
+                flags = torch.tensor(_reached(params), dtype=torch.uint8, device=get_accelerator().current_device_name())
+                work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True)
+                self._pending.append((params, flags, work))
+
+    def known(self, wait: bool = False) -> bool:
+        """Whether the answer is in (``wait``: wait for it)."""
+        if self._held is None:
+            if not wait and not all(work.is_completed() for _, _, work in self._pending):
+                return False
+            held: set[int] = set()
+            for params, flags, work in self._pending:
+                work.wait()
+                held.update(id(p) for p, everywhere in zip(params, flags.tolist()) if not everywhere)
+            self._held, self._pending = held, []
+        return True
+
+    @property
+    def held(self) -> set[int]:
+        self.known(wait=True)
+        return self._held
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self.held
-
-
-def agree(params_by_group: Iterable[tuple[Any, list[torch.Tensor]]]) -> set[int]:
-    """One MIN all-reduce of a reached-flag per parameter per process group; the ids of those some rank misses."""
-    from deepspeed import comm as dist
-    from deepspeed.accelerator import get_accelerator
-
-    held: set[int] = set()
-    for group, params in params_by_group:
-        if not params:
-            continue
-        flags = torch.tensor(_reached(params), dtype=torch.uint8, device=get_accelerator().current_device_name())
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-        held.update(id(p) for p, everywhere in zip(params, flags.tolist()) if not everywhere)
-    return held
 
 
 def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any,
@@ -116,28 +135,59 @@ def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, de
 
 
 class _AgreesOnReducedParams:
-    """Per-backward agreement state shared by the ZeRO-1/2 and ZeRO-3 mixins."""
+    """Per-backward agreement shared by the ZeRO-1/2 and ZeRO-3 mixins.
+
+    ``_reduce_now(param, *args)`` is the stock hook body (with a zero gradient where the hook saw none).
+    """
 
     _safe_zero_agreement: Agreement | None = None
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
         raise NotImplementedError
 
-    def _agreement(self) -> Agreement | None:
-        """This backward's agreement, made at its first reducing hook; ``None`` where no rank can differ."""
+    def _reduce_now(self, param: torch.nn.Parameter, *args: Any) -> None:
+        raise NotImplementedError
+
+    def _agreement(self) -> Agreement:
+        """This backward's agreement, started at its first reducing hook."""
         graph_task = torch._C._current_graph_task_id()
         agreement = self._safe_zero_agreement
         if agreement is None or agreement.graph_task != graph_task:
-            agreement = self._safe_zero_agreement = Agreement(graph_task, agree(self._reduced_params_by_group()))
-            if agreement.held and not getattr(self, "_safe_zero_held_reported", False):
-                session_for(self).engaged(FIX, "parameters some ranks did not use were reduced in parameter order "
-                                               "with zero gradients from those ranks")
-                self._safe_zero_held_reported = True
+            agreement = self._safe_zero_agreement = Agreement(graph_task, self._reduced_params_by_group())
         return agreement
 
-    def _take_held(self) -> set[int]:
+    def _reduce_agreed(self, param: torch.nn.Parameter, *args: Any) -> None:
+        """The hook body under the agreement: queue until it is known, then reduce what every rank reached."""
+        agreement = self._agreement()
+        if not agreement.known():
+            agreement.queued.append((param, args))
+            return
+        self._drain(agreement)
+        if not agreement.holds(param):
+            self._reduce_now(param, *args)
+
+    def _drain(self, agreement: Agreement) -> None:
+        queued, agreement.queued = agreement.queued, []
+        for param, args in queued:
+            if not agreement.holds(param):
+                self._reduce_now(param, *args)
+
+    def _finish_agreement(self, held_in_order: Iterable[tuple[torch.nn.Parameter, tuple]]) -> None:
+        """At the epilogue: reduce what is still queued, then the held parameters, in parameter order."""
         agreement, self._safe_zero_agreement = self._safe_zero_agreement, None
-        return agreement.held if agreement is not None else set()
+        if agreement is None:
+            return
+        agreement.known(wait=True)
+        self._drain(agreement)
+        if agreement.held and not getattr(self, "_safe_zero_held_reported", False):
+            session_for(self).engaged(FIX, "parameters some ranks did not use were reduced in parameter order "
+                                           "with zero gradients from those ranks")
+            self._safe_zero_held_reported = True
+        for param, args in held_in_order:
+            if id(param) in agreement.held:
+                if param.grad is None:
+                    self._zero_fill(param, "was not used on this rank")
+                self._reduce_now(param, *args)
 
 
 def _data_parallel_world(wrapper: Any) -> int:
@@ -170,16 +220,20 @@ class ReduceInOneOrderStage12(_AgreesOnReducedParams):
             return  # earlier micro-steps left it a gradient
         zero_grad_for(self, param, param.shape, param.device, why)
 
+    def _reduce_now(self, param: torch.nn.Parameter, i: int) -> None:
+        if param.grad is None:
+            self._zero_fill(param, "had no gradient")
+        super().process_gradients(param, i)
+
     @overrides
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
         # Runs per parameter per step: the cheap tests first.
-        if session_for(self).uses(FIX):
-            if (self._reduces_in_hooks() and _data_parallel_world(self) > 1
-                    and self._agreement().holds(param)):
-                return  # reduced at the epilogue, in parameter order, on every rank
-            if param.grad is None:
-                self._zero_fill(param, "had no gradient")
-        super().process_gradients(param, i)
+        if not session_for(self).uses(FIX):
+            super().process_gradients(param, i)
+        elif self._reduces_in_hooks() and _data_parallel_world(self) > 1:
+            self._reduce_agreed(param, i)
+        else:
+            self._reduce_now(param, i)
 
     @overrides
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
@@ -193,14 +247,7 @@ class ReduceInOneOrderStage12(_AgreesOnReducedParams):
 
     @overrides
     def independent_gradient_partition_epilogue(self) -> None:
-        held = self._take_held()
-        if held:
-            for i, group in enumerate(self.bit16_groups):
-                for param in group:
-                    if id(param) in held:
-                        if param.grad is None:
-                            self._zero_fill(param, "was not used on this rank")
-                        super().process_gradients(param, i)
+        self._finish_agreement((param, (i,)) for i, group in enumerate(self.bit16_groups) for param in group)
         super().independent_gradient_partition_epilogue()
 
 
@@ -220,26 +267,22 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
         # The parameter may already be re-partitioned here: size the gradient from ds_shape.
         zero_grad_for(self, param, param.ds_shape, get_accelerator().current_device_name(), why)
 
-    @overrides
-    def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
-        if session_for(self).uses(FIX):
-            from deepspeed.utils import z3_leaf_parameter
-
-            if (not z3_leaf_parameter(param) and _data_parallel_world(self) > 1
-                    and self._agreement().holds(param)):
-                return
-            if param.grad is None:
-                self._zero_fill(param, "had no gradient")
+    def _reduce_now(self, param: torch.nn.Parameter, *args: Any) -> None:
+        if param.grad is None:
+            self._zero_fill(param, "had no gradient")
         super().reduce_ready_partitions_and_remove_grads(param, *args)
 
     @overrides
+    def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
+        if not session_for(self).uses(FIX):
+            super().reduce_ready_partitions_and_remove_grads(param, *args)
+        elif _data_parallel_world(self) > 1 and not getattr(self, "_coalesce_grad_reduction", False):
+            # Leaf-module parameters are never held, but queue with the rest so the order stays the same everywhere.
+            self._reduce_agreed(param, *args)
+        else:
+            self._reduce_now(param, *args)
+
+    @overrides
     def independent_gradient_partition_epilogue(self) -> None:
-        held = self._take_held()
-        if held:
-            for group in self.fp16_groups:
-                for param in group:
-                    if id(param) in held:
-                        if param.grad is None:
-                            self._zero_fill(param, "was not used on this rank")
-                        super().reduce_ready_partitions_and_remove_grads(param)
+        self._finish_agreement((param, ()) for group in self.fp16_groups for param in group)
         super().independent_gradient_partition_epilogue()

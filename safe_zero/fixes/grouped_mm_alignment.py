@@ -15,9 +15,12 @@ at all: the buffers keep their size, the views stay zero-copy, and nothing in De
 arithmetic changes. Adam and SGD act element-wise, so the losses are bit-identical to the stock
 order. DeepSpeed records the flattened order itself (``bf16_groups``, ``round_robin_bit16_groups``,
 ``fp16_groups``): checkpoints and ``zero_to_fp32`` follow it, and the order is a pure function of the
-model, so a resumed run loads its own checkpoint. A checkpoint written by stock DeepSpeed with a
-different order does not load into the reordered buffers (nor the reverse): resume with the
-setting that saved it.
+model, so a resumed run loads its own checkpoint. A checkpoint written in the other order (stock's,
+or safe_zero's under stock) is laid out again on load by ``RecordsFlatOrder``, exactly; stock
+DeepSpeed knows nothing of the order, so a reordered safe_zero checkpoint moves to stock through a
+universal checkpoint (``ds_to_universal``, which maps every parameter by name). On ZeRO-1/2 with
+``parameter_alignment`` (which safe_zero turns on) ``LoadsUnpaddedCheckpoints`` lets DeepSpeed's own
+unpadded-to-padded conversion read a stock checkpoint.
 
 CUDA grouped_mm also needs 16-byte row strides, so its weights are whole 16-byte units in
 practice; one that is not is placed first after the prefix (still aligned), and a group with two
@@ -73,10 +76,11 @@ def _partition_nbytes(param: torch.Tensor) -> int:
 
 
 def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str,
-                   nbytes: Callable[[torch.Tensor], int] = _nbytes) -> list[int]:
-    """Positions of ``params`` in an order that puts every detected weight on the grid (raises if impossible)."""
+                   nbytes: Callable[[torch.Tensor], int] = _nbytes, keep_aligned: bool = True) -> list[int]:
+    """Positions of ``params`` in an order that puts every detected weight on the grid (raises if impossible);
+    with ``keep_aligned``, the given order wherever it already does."""
     size = [nbytes(p) for p in params]
-    if _stock_order_aligned(params, size, plan):
+    if keep_aligned and _stock_order_aligned(params, size, plan):
         return list(range(len(params)))  # stock's layout already serves grouped_mm: keep it (and its checkpoints)
     whole = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES == 0]
     rest = [i for i, s in enumerate(size) if s % ALIGNMENT_BYTES != 0]
@@ -113,19 +117,51 @@ def _wants(plan: AlignmentPlan, session: Any, params: list[torch.Tensor]) -> boo
 
 ORDER_KEY = "safe_zero_flat_order"
 
+# Where each wrapper keeps its flat fp32 master copy and its optimizer state in a checkpoint. BF16_Optimizer saves
+# each rank's partition of the flat group; ZeRO-3 (reordered at one rank only) and the fused FP16_Optimizer the whole.
+_FLAT_STATE_KEYS = (("single_partition_of_fp32_groups", "base_optimizer_state"),
+                    ("fp32_flat_groups", "optimizer_state_dict"),
+                    ("fp32_groups_flat", "optimizer_state_dict"))
+
+
+def _orders_by_group(recorded: Any, groups: int) -> list[list[int] | None] | None:
+    """A checkpoint's recorded flat orders, one entry per group (``None``: stock order); ``None`` if unreadable."""
+    if recorded is None:
+        return [None] * groups
+    if isinstance(recorded, dict):
+        return [recorded.get(i, recorded.get(str(i))) for i in range(groups)]
+    return None  # safe_zero <= 0.1 listed only the reordered groups: which ones is not recorded
+
+
+def _ranks(partition_count: int | list[int]) -> int:
+    return partition_count[0] if isinstance(partition_count, list) else partition_count  # BF16_Optimizer: per group
+
+
+def _relayout(full: torch.Tensor, numels: dict[int, int], src: list[int], dst: list[int]) -> torch.Tensor:
+    """``full`` (a flat group laid out in ``src`` order, any tail padding after it) laid out in ``dst`` order."""
+    pieces, offset = {}, 0
+    for original in src:
+        pieces[original] = full.narrow(0, offset, numels[original])
+        offset += numels[original]
+    return torch.cat([pieces[original] for original in dst] + [full[offset:]])
+
 
 class RecordsFlatOrder:
-    """Checkpoints carry the flat order; loading one written in another order is refused, not scrambled.
+    """Checkpoints carry the flat order; one written in another order (stock's, say) is laid out again on load.
 
     The buffers keep their size when reordered, so DeepSpeed would copy a stock checkpoint's fp32 master
-    weights and optimizer state into the reordered buffers without complaint, onto the wrong parameters.
+    weights and optimizer state into the reordered buffers without complaint, onto the wrong parameters. The
+    layouts differ by a permutation of whole parameters, so the flat master copy and every optimizer state of
+    the flat group's shape are permuted back, exactly; what cannot be mapped that way is refused.
     """
 
-    def _record_flat_order(self, order: list[int]) -> None:
-        orders = self.__dict__.setdefault("_safe_zero_flat_order", [])
-        orders.append(list(order))
+    #: Whether this wrapper's checkpoint layout is one ``_laid_out_again`` knows (ZeRO-1/2's is not).
+    _SAFE_ZERO_RELAYOUT = True
 
-    def _flat_order(self) -> list[list[int]] | None:
+    def _record_flat_order(self, group: int, order: list[int]) -> None:
+        self.__dict__.setdefault("_safe_zero_flat_order", {})[group] = list(order)
+
+    def _flat_order(self) -> dict[int, list[int]] | None:
         return self.__dict__.get("_safe_zero_flat_order") or None
 
     @overrides
@@ -135,20 +171,87 @@ class RecordsFlatOrder:
             state[ORDER_KEY] = self._flat_order()
         return state
 
+    def _flat_params(self) -> list[list[torch.Tensor]]:
+        for attr in ("bf16_groups", "fp16_groups"):
+            if hasattr(self, attr):
+                return getattr(self, attr)
+        return []
+
     @overrides
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        given = kwargs.get("state_dict_list", kwargs.get("state_dict", args[0] if args else None))
-        states = given if isinstance(given, (list, tuple)) else [given]
-        for state in states:
-            if isinstance(state, dict) and state.get(ORDER_KEY) != self._flat_order():
-                raise AlignmentError(
-                    "this checkpoint's flat buffers were written in "
-                    f"{'safe_zero' if state.get(ORDER_KEY) else 'stock'} parameter order, but this run lays them out "
-                    f"in {'safe_zero' if self._flat_order() else 'stock'} order; its fp32 master weights and "
-                    "optimizer state would land on the wrong parameters. Resume with the setting that saved it: "
-                    '"safe_zero": {"alignment": false} (or "fixes": {"grouped_mm_alignment": false}) for a '
-                    "checkpoint written without safe_zero's alignment, the defaults otherwise.")
+        name = "state_dict_list" if "state_dict_list" in kwargs else "state_dict" if "state_dict" in kwargs else None
+        given = kwargs[name] if name else args[0] if args else None
+        listed = isinstance(given, (list, tuple))
+        states = list(given) if listed else [given]
+        # DeepSpeed reads each rank's own file in full and leaves the other ranks' entries empty.
+        at = next((k for k, state in enumerate(states) if isinstance(state, dict)
+                   and any(keys[0] in state for keys in _FLAT_STATE_KEYS)), None)
+        if at is not None and not self._same_order(states[at].get(ORDER_KEY)):
+            states[at] = self._laid_out_again(states[at], len(states))
+            converted = states if listed else states[0]
+            if name:
+                kwargs[name] = converted
+            else:
+                args = (converted, *args[1:])
         return super().load_state_dict(*args, **kwargs)
+
+    def _same_order(self, recorded: Any) -> bool:
+        mine = self._flat_order()
+        # Earlier safe_zero checkpoints listed the reordered groups' orders without their group numbers.
+        return recorded == mine or (isinstance(recorded, list) and mine is not None and recorded == list(mine.values()))
+
+    def _laid_out_again(self, state: dict, saving_ranks: int) -> dict:
+        """This rank's ``state`` with its flat groups permuted from the checkpoint's order to this run's.
+
+        A permutation of whole parameters crosses partition boundaries, so where the flat group is partitioned
+        (BF16_Optimizer) the ranks gather it, permute it and each keeps its own partition again.
+        """
+        groups = self._flat_params()
+        keys = next(k for k in _FLAT_STATE_KEYS if k[0] in state)
+        theirs = _orders_by_group(state.get(ORDER_KEY), len(groups))
+        ours = _orders_by_group(self._flat_order(), len(groups))
+        partitioned = keys[0] == "single_partition_of_fp32_groups"
+        ranks = _ranks(getattr(self, "partition_count", 1)) if partitioned else 1
+        one_sub_group_each = getattr(self, "_safe_zero_param_groups_seen", len(groups)) == len(groups)  # ZeRO-3
+        if not self._SAFE_ZERO_RELAYOUT or theirs is None or not one_sub_group_each or saving_ranks != ranks \
+                or len(state[keys[0]]) != len(groups):
+            raise AlignmentError(
+                "this checkpoint's flat buffers were written in another parameter order than this run's "
+                f"({'safe_zero' if state.get(ORDER_KEY) else 'stock'} order, this run: "
+                f"{'safe_zero' if self._flat_order() else 'stock'} order) and safe_zero cannot map them here (another "
+                "world size, or a layout it does not know); its fp32 master weights and optimizer state would land on "
+                "the wrong parameters. Convert it to a universal checkpoint (python -m deepspeed.checkpoint."
+                "ds_to_universal --input_folder CKPT/TAG --output_folder CKPT/TAG_universal --inject_missing_state) "
+                'and load that with "checkpoint": {"load_universal": true}, which maps every parameter by name.')
+        flat_key, optim_key = keys
+        state = dict(state)
+        for i, params in enumerate(groups):
+            identity = list(range(len(params)))
+            src, dst = theirs[i] or identity, ours[i] or identity
+            if src == dst:
+                continue
+            numels = {dst[k]: getattr(getattr(p, "ds_tensor", None), "ds_numel", None) or p.numel()
+                      for k, p in enumerate(params)}
+            saved = state[flat_key][i]
+
+            def permute(part: torch.Tensor) -> torch.Tensor:
+                if not partitioned or ranks == 1:
+                    return _relayout(part.reshape(-1), numels, src, dst).view_as(part)
+                from deepspeed import comm as dist
+
+                group = self.real_dp_process_group[i]
+                parts = [torch.empty_like(part) for _ in range(ranks)]
+                dist.all_gather(parts, part.contiguous(), group=group)
+                whole = _relayout(torch.cat(parts), numels, src, dst)
+                return whole.narrow(0, dist.get_rank(group=group) * part.numel(), part.numel()).clone()
+
+            state[flat_key] = [*state[flat_key][:i], permute(saved), *state[flat_key][i + 1:]]
+            optim = state[optim_key]
+            for key, value in list(optim["state"].get(i, {}).items()) if isinstance(optim, dict) else []:
+                if torch.is_tensor(value) and value.shape == saved.shape:
+                    optim["state"][i][key] = permute(value)
+        state[ORDER_KEY] = self._flat_order()
+        return state
 
 
 class AlignFlatGroups(RecordsFlatOrder):
@@ -168,14 +271,14 @@ class AlignFlatGroups(RecordsFlatOrder):
                                  f"for {len(plan.params)} grouped_mm weight(s)")
         elif plan.active and init_optimizer is not None:
             moved = 0
-            for group in init_optimizer.param_groups:
+            for index, group in enumerate(init_optimizer.param_groups):
                 params = list(group["params"])
                 if not _wants(plan, session, params):
                     continue
                 order = _aligned_order(params, plan, route)
                 if order != sorted(order):
                     group["params"] = _reorder(params, order)
-                    self._record_flat_order(order)
+                    self._record_flat_order(index, order)
                     moved += sum(1 for new, old in enumerate(order) if new != old)
             if moved:
                 session.engaged(FIX, f"{route}: flattened whole-16-byte parameters first ({moved} moved) "
@@ -193,16 +296,22 @@ class AlignFlatGroups(RecordsFlatOrder):
 class AlignRoundRobinGroups(AlignFlatGroups):
     """Mixin for ``DeepSpeedZeroOptimizer``: ``round_robin_gradients`` reshuffles after the group order; re-apply it."""
 
+    _SAFE_ZERO_RELAYOUT = False  # partitions saved without padding, round-robin order: not mapped here
+
     @overrides
     def _round_robin_reorder(self, tensor_list: list[Any], num_partitions: int) -> tuple[list[Any], Any]:
         tensors, indices = super()._round_robin_reorder(tensor_list, num_partitions)
+        index = self.__dict__.get("_safe_zero_round_robin_groups", 0)  # called once per parameter group, in order
+        self._safe_zero_round_robin_groups = index + 1
         session = session_for(self)
         plan = plan_for(session)
         if getattr(self, "parameter_alignment", False) or not _wants(plan, session, tensors):
             return tensors, indices
-        order = _aligned_order(tensors, plan, "DeepSpeedZeroOptimizer (round_robin_gradients)")
+        # Always whole units first here: keeping an already aligned round-robin order after the group reorder
+        # left safe_get_full_fp32_param wrong on 0.18.9 at 2 ranks (not investigated further); whole-first is right.
+        order = _aligned_order(tensors, plan, "DeepSpeedZeroOptimizer (round_robin_gradients)", keep_aligned=False)
         if order != sorted(order):
-            self._record_flat_order(order)
+            self._record_flat_order(index, order)
         position = {old: new for new, old in enumerate(order)}
         return _reorder(tensors, order), {original: position[at] for original, at in indices.items()}
 
@@ -244,6 +353,8 @@ class AlignStage3SubGroups(RecordsFlatOrder):
 
     @overrides
     def _create_fp16_sub_groups(self, params_group: list[Any]) -> list[list[Any]]:
+        index = self.__dict__.get("_safe_zero_param_groups_seen", 0)  # called once per parameter group, in order
+        self._safe_zero_param_groups_seen = index + 1
         session = session_for(self)
         plan = plan_for(session)
         params_group = list(params_group)
@@ -251,9 +362,37 @@ class AlignStage3SubGroups(RecordsFlatOrder):
             order = _aligned_order(params_group, plan, "DeepSpeedZeroOptimizer_Stage3", nbytes=_partition_nbytes)
             if order != sorted(order):
                 params_group = _reorder(params_group, order)
-                self._record_flat_order(order)
+                self._record_flat_order(index, order)
                 session.engaged(FIX, "DeepSpeedZeroOptimizer_Stage3: flattened whole-16-byte partitions first")
         return super()._create_fp16_sub_groups(params_group)
+
+
+class LoadsUnpaddedCheckpoints:
+    """Mixin for ``DeepSpeedZeroOptimizer`` with ``parameter_alignment`` (which safe_zero turns on for grouped_mm
+    weights): resume a checkpoint written without it (stock's default), exactly.
+
+    DeepSpeed 0.19.8 lays an unpadded checkpoint out again in the padded layout itself
+    (``_expand_unpadded_flat_group``, ``_redistribute_unpadded_partition``) when the checkpoint records no
+    alignment layout, but refuses one that records the all-zero layout stock writes ("The ZeRO checkpoint
+    parameter-alignment layout does not match"). The layouts differ only by that padding, so the all-zero record
+    is left out and DeepSpeed's own conversion runs.
+    """
+
+    @overrides
+    def _load_legacy_checkpoint(self, state_dict_list: list[dict], *args: Any, **kwargs: Any) -> Any:
+        if state_dict_list and getattr(self, "parameter_alignment", False) and \
+                hasattr(self, "_expand_unpadded_flat_group"):
+            state_dict_list = [_without_unpadded_record(state) for state in state_dict_list]
+        return super()._load_legacy_checkpoint(state_dict_list, *args, **kwargs)
+
+
+def _without_unpadded_record(state: dict) -> dict:
+    from deepspeed.checkpoint.constants import PARAM_ALIGNMENT_PADDINGS
+
+    paddings = state.get(PARAM_ALIGNMENT_PADDINGS) if isinstance(state, dict) else None  # None: not loaded here
+    if paddings is not None and not any(any(group) for group in paddings):
+        state = {key: value for key, value in state.items() if key != PARAM_ALIGNMENT_PADDINGS}
+    return state
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -318,4 +457,4 @@ class GuardGatheredAlignment:
 
 
 __all__ = ["AlignAllReduceFetch", "AlignFlatGroups", "AlignRoundRobinGroups", "AlignStage3SubGroups", "FIX",
-           "GuardGatheredAlignment", "ORDER_KEY", "RecordsFlatOrder"]
+           "GuardGatheredAlignment", "LoadsUnpaddedCheckpoints", "ORDER_KEY", "RecordsFlatOrder"]

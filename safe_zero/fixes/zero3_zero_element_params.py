@@ -260,9 +260,36 @@ class SafeGatheredTensor(GuardEmptyGatheredTensor, zero_to_fp32.GatheredTensor):
     """``zero_to_fp32``'s lazy merged parameter with the zero-element guard."""
 
 
-def get_fp32_state_dict_from_zero_checkpoint(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None, *args: Any,
+                                             **kwargs: Any) -> dict[str, torch.Tensor]:
     """``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (same arguments) that
     also reconstructs zero-element parameters, with their real shape, from checkpoints of any
-    supported DeepSpeed release."""
+    supported DeepSpeed release.
+
+    ZeRO-1/2 checkpoints record a zero-element parameter nowhere zero_to_fp32 looks when no optimizer
+    group holds it (DeepSpeed 0.19.8, and safe_zero's ``zero_element_groups`` before it) and frozen
+    parameters are not saved (ZeRO-1; ZeRO-2 before 0.19.8); the module state saved beside them has it,
+    with its shape, and it has no values to lose.
+    """
     with swapped(zero_to_fp32, "GatheredTensor", SafeGatheredTensor):
-        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(*args, **kwargs)
+        state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, *args, **kwargs)
+    for name, shape in _zero_element_module_params(checkpoint_dir, tag).items():
+        state.setdefault(name, torch.empty(shape, dtype=torch.float32))
+    return state
+
+
+def _zero_element_module_params(checkpoint_dir: str, tag: str | None) -> dict[str, torch.Size]:
+    """Name -> shape of the zero-element parameters in a ZeRO-1/2 checkpoint's saved module state."""
+    import glob
+    import os
+
+    if tag is None:
+        with open(os.path.join(checkpoint_dir, "latest")) as f:
+            tag = f.read().strip()
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, tag, "mp_rank_*_model_states.pt")))
+    if not files:  # ZeRO-3 names its files zero_pp_rank_*: its param_shapes list every parameter
+        return {}
+    saved = torch.load(files[0], map_location="cpu", weights_only=False)
+    buffers = set(saved.get("buffer_names") or ())
+    return {name: t.shape for name, t in (saved.get("module") or {}).items()
+            if torch.is_tensor(t) and t.numel() == 0 and name not in buffers}

@@ -13,8 +13,9 @@ DeepSpeed 0.19.8 fixed all of it by leaving such parameters out of every optimiz
 
 A zero-element parameter has nothing to optimize, so leaving it out loses no state. The
 module's ``state_dict``, and so ``save_checkpoint``/``load_checkpoint``, still carry it with
-its shape. A ``zero_to_fp32`` consolidated state dict leaves it out (as stock 0.19.8 does at
-ZeRO-1): load such a dict with ``strict=False``.
+its shape. DeepSpeed's ``zero_to_fp32`` leaves it out of the consolidated state dict (as stock
+0.19.8 does at ZeRO-1); ``safe_zero.get_fp32_state_dict_from_zero_checkpoint`` puts it back with
+its real shape, from the module state saved beside it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib.metadata
 import inspect
 import warnings
@@ -31,22 +32,26 @@ SAFE_PREFIX = "safe_"
 #: The Lightning methods that call ``deepspeed.initialize``, per API; the safe strategies route each one.
 TRAINER_INITIALIZE_METHODS = ("_setup_model_and_optimizer", "_initialize_deepspeed_inference")
 FABRIC_INITIALIZE_METHODS = ("_initialize_engine",)
+#: The Lightning methods (both APIs) the safe strategies extend to take a config of only safe_zero's options.
+CONFIG_METHODS = ("_load_config", "_create_default_config")
 
 
 def check_lightning_fits(lightning_strategy: type, methods: tuple[str, ...]) -> None:
-    """Refuse a Lightning whose DeepSpeed strategy no longer calls ``deepspeed.initialize`` where we route it.
+    """Refuse a Lightning whose DeepSpeed strategy no longer has the methods the safe strategies extend.
 
-    Overriding a method Lightning stopped calling would leave training silently stock.
+    ``methods`` are those that call ``deepspeed.initialize``: overriding one Lightning stopped calling
+    would leave training silently stock. :data:`CONFIG_METHODS` are checked too: without them a config
+    of only safe_zero's options would silently become the whole DeepSpeed config.
     """
-    missing = [name for name in methods if name not in vars(lightning_strategy)]
+    missing = [name for name in (*methods, *CONFIG_METHODS) if name not in vars(lightning_strategy)]
     if missing:
         package = lightning_strategy.__module__.split(".")[0]
         distribution = {"lightning_fabric": "lightning-fabric", "pytorch_lightning": "pytorch-lightning"}.get(
             package, package)
         raise SafeLightningError(
             f"{lightning_strategy.__module__}.{lightning_strategy.__qualname__} has no {', '.join(missing)}: this "
-            f"{distribution} ({importlib.metadata.version(distribution)}) calls deepspeed.initialize where "
-            "safe_zero does not route it. Install a release in safe_zero's supported range (the `lightning` extra).")
+            f"{distribution} ({importlib.metadata.version(distribution)}) builds its DeepSpeed engine or config where "
+            "safe_zero does not reach it. Install a release in safe_zero's supported range (the `lightning` extra).")
 
 
 def require_safe_engine(engine: Any) -> Any:
@@ -115,6 +120,33 @@ class _SafeStrategyBase:
                 yield
             finally:
                 del self._safe_zero_outer_initialize
+
+    # config -------------------------------------------------------------------------------------------------------
+
+    def _load_config(self, config: Any) -> dict[str, Any] | None:
+        """Lightning's loader, plus: a config with nothing but a ``"safe_zero"`` block holds only safe_zero's options.
+
+        Lightning takes a given config as the whole DeepSpeed config and then ignores ``stage``, the
+        offload arguments and the rest; a config of only safe_zero's options would leave DeepSpeed at
+        ZeRO stage 0. So for such a config Lightning builds the DeepSpeed config from the arguments, as
+        without one, and the block is added to it (:meth:`_create_default_config`). This is what lets a
+        LightningCLI yaml give ``stage``, offload and safe_zero's options side by side.
+        """
+        loaded = super()._load_config(config)  # type: ignore[misc]
+        self._safe_zero_options_only = None
+        if isinstance(loaded, dict) and set(loaded) == {CONFIG_KEY}:
+            from safe_zero.options import SafeZeroOptions
+
+            SafeZeroOptions.from_config(loaded)  # a malformed block fails at construction, not at fit
+            self._safe_zero_options_only = copy.deepcopy(loaded[CONFIG_KEY])
+            return None
+        return loaded
+
+    def _create_default_config(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        config = super()._create_default_config(*args, **kwargs)  # type: ignore[misc]
+        if getattr(self, "_safe_zero_options_only", None) is not None:
+            config[CONFIG_KEY] = self._safe_zero_options_only
+        return config
 
     # CPU ----------------------------------------------------------------------------------------------------------
 
@@ -244,8 +276,11 @@ What differs from Lightning's strategy:
   train under ZeRO. The engine carries ``engine.safe_zero_session`` (``.report`` says which fixes
   acted). A Lightning that builds its engine some other way is refused, never run stock.
 * safe_zero options: a ``"safe_zero"`` block in ``config`` (keys ``fixes``, ``alignment``,
-  ``alignment_guard``; see :class:`safe_zero.SafeZeroOptions`). When Lightning builds the config
-  from the arguments below, set ``strategy.config["safe_zero"] = {{...}}`` after construction.
+  ``alignment_guard``; see :class:`safe_zero.SafeZeroOptions`). A ``config`` (dict or JSON path)
+  holding nothing but that block adds it to the config Lightning builds from the other arguments
+  (``stage``, offload, ...): ``stage=3, config={{"safe_zero": {{...}}}}`` runs ZeRO-3. A ``config``
+  with DeepSpeed keys is the whole DeepSpeed config, as in Lightning (the stage and offload arguments
+  are then ignored). ``strategy.config["safe_zero"] = {{...}}`` after construction works too.
 * ``accelerator="cpu"`` runs, on one or more processes (gloo), for development and CI. DeepSpeed
   must use its CPU accelerator (``DS_ACCELERATOR=cpu`` before deepspeed is imported), else
   :class:`~safe_zero.lightning.SafeLightningError`. Lightning's three CUDA assumptions are

@@ -55,6 +55,7 @@ def test_trainer_two_processes_with_safe_zero_callback():
     for r in by_phase(records, "no-cpu-state", 2):
         assert r["error"].startswith("WorldSizeMismatchError: Accelerate counts 1 process(es) but the DeepSpeed "
                                      "process group has 2"), r
+        assert "use_cpu=True" in r["error"], "transformers 5.x's own way first"
         assert "cpu_distributed_state()" in r["error"] and "use_configured_state" in r["error"]
     check_trained(by_phase(records, "safe", 2), world=2)
     # The callback's line on the main process says which fixes acted.

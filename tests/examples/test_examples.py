@@ -1,4 +1,5 @@
-"""Every example under examples/ runs, at a tiny size (3 steps, 1 process), and does what its README says.
+"""Every example under examples/ runs, at a tiny size (3 steps; 1 process, the TRL recipes 2), and does what its
+README says.
 
 Each example is run as a user runs it (a subprocess from the repository root): the loss must fall,
 the run must print which safe_zero fixes engaged (the FP-Quant model needs the zero-sized
@@ -9,6 +10,7 @@ safe_zero's alignment turned off puts them at 12, 12, 8, 8.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -25,8 +27,10 @@ FP_QUANT_FIXES = {"gradless_params", "zero3_zero_element_params"}
 pytestmark = pytest.mark.slow
 
 
-def run(*args: str, timeout: float = 400) -> str:
-    """Run ``python <args>`` (or ``python -m ...``) from the repository root on CPU; return stdout + stderr."""
+def run(*args: str, timeout: float = 400, fails: bool = False) -> str:
+    """Run ``python <args>`` (or ``python -m ...``) from the repository root on CPU; return stdout + stderr.
+
+    The run must exit 0, or with ``fails=True`` must exit non-zero."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     try:
@@ -35,7 +39,10 @@ def run(*args: str, timeout: float = 400) -> str:
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"{' '.join(args)} timed out after {timeout}s:\n{str(e.stdout)[-4000:]}")
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-6000:]}"
+    if fails:
+        assert proc.returncode != 0, f"{' '.join(args)} was expected to fail:\n{output[-6000:]}"
+    else:
+        assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-6000:]}"
     return output
 
 
@@ -112,3 +119,69 @@ def test_moe_grouped_mm_zero2_and_zero3() -> None:
         # The model is one where alignment matters: without it, the sinks and router biases shift the experts.
         _, unaligned = safe[r"\[moe, alignment off\]"]
         assert unaligned == {weights[0]: 12, weights[1]: 12, weights[2]: 8, weights[3]: 8}, unaligned
+
+
+# ---------------------------------------------------------------------------------------------- TRL recipes
+
+def trl_launch(recipe: str, *args: str, fails: bool = False) -> str:
+    """``accelerate launch --config_file examples/trl/zero3.yaml examples/trl/<recipe> --steps 3 <args>``
+    (2 processes, ZeRO-3)."""
+    for module in ("trl", "peft", "datasets", "transformers", "accelerate"):
+        pytest.importorskip(module)
+    return run("-m", "accelerate.commands.launch", "--config_file", "examples/trl/zero3.yaml",
+               f"examples/trl/{recipe}", "--steps", str(STEPS), *args, fails=fails)
+
+
+def check_both_ranks(output: str, tag: str, min_fall: float) -> set[str]:
+    """Both ranks trained the same finite, falling losses at ZeRO-3; returns what safe_zero reported as engaged."""
+    (stage0, losses0, engaged0), (stage1, losses1, engaged1) = (
+        result_line(output, f"{tag} rank {rank}/2") for rank in (0, 1))
+    assert stage0 == stage1 == 3
+    assert len(losses0) == STEPS and all(math.isfinite(v) for v in losses0), losses0
+    assert all(b < a for a, b in zip(losses0, losses0[1:])) and losses0[-1] < losses0[0] - min_fall, losses0
+    assert losses1 == losses0 and engaged1 == engaged0, (losses0, losses1)
+    return engaged0
+
+
+def test_trl_sft_moe_lora_two_processes(tmp_path: Path) -> None:
+    output = trl_launch("sft_moe_lora.py", "--output-dir", str(tmp_path))
+    assert "grouped_mm_alignment" in check_both_ranks(output, "trl-moe", min_fall=0.2)
+    assert "grouped_mm_alignment: DeepSpeedZeRoOffload: 4 all-reduce fetch slot(s) rounded to 16 bytes" in output
+    # The base expert weights, gathered by ZeRO-3 around the experts' forward, and what grouped_mm reads (W + BA).
+    offsets = re.findall(r"\[trl-moe\] ZeRO-3 model\.layers\.(\d)\.mlp\.experts\.(\w+) data_ptr\(\) % 16 = (\d+) "
+                         r"\(base weight \[4, (\d+), 64\]\), (\d+) \(what grouped_mm reads\)", output)
+    assert sorted((layer, name) for layer, name, *_ in offsets) == [
+        (layer, name) for layer in "01" for name in ("down_proj", "gate_up_proj")], offsets
+    assert all(base == kernel == "0" for *_, base, _, kernel in offsets), offsets
+
+
+def test_trl_sft_fp_quant_two_processes(fp_quant_workdir: str) -> None:
+    output = trl_launch("sft_fp_quant.py", "--workdir", fp_quant_workdir)
+    assert "FP-Quant model: 28 zero-sized placeholder parameters, 14 trainable dqweight parameters" in output
+    assert check_both_ranks(output, "trl-fp-quant", min_fall=0.3) == FP_QUANT_FIXES
+    assert "gradless_params: parameter of shape (...) had no gradient; reduced as zeros (x14)" in output
+    assert "zero3_zero_element_params: 28 zero-element parameter(s) kept out of ZeRO-3 collectives" in output
+
+
+def test_trl_sft_fp_quant_stock_fails(fp_quant_workdir: str) -> None:
+    """The same recipe without SafeZeroCallback (and with safe_zero's routing unbound): stock DeepSpeed's error."""
+    output = trl_launch("sft_fp_quant.py", "--workdir", fp_quant_workdir, "--stock", fails=True)
+    assert "ValueError: torch.cat(): expected a non-empty list of Tensors" in output, output[-4000:]
+    assert "safe_zero engaged" not in output
+
+
+# ---------------------------------------------------------------------------------------------- MoE expert modules
+
+def test_moe_experts_hf_trainer_two_processes(tmp_path: Path) -> None:
+    """A remote-code-style MoE (expert ModuleList) trains at ZeRO-3 through the HF Trainer on 2 processes with no
+    leaf-module configuration (stock DeepSpeed stops on it: tests/fixes/test_gradless_params_ranks.py)."""
+    for module in ("transformers", "accelerate"):
+        pytest.importorskip(module)
+    output = run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
+                 "--num_processes", "2", "examples/moe_experts/train_hf_trainer.py", "--steps", str(STEPS),
+                 "--output-dir", str(tmp_path))
+    for rank in (0, 1):
+        stage, losses, engaged = result_line(output, f"moe_experts rank {rank}/2")
+        assert stage == 3 and len(losses) == STEPS and losses[-1] < losses[0], losses
+        assert "gradless_params" in engaged
+    assert "gradless_params: 2 MoE block(s) gathered whole as ZeRO-3 leaf modules (TinyMoE)" in output

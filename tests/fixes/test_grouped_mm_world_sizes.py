@@ -15,10 +15,11 @@ import time
 import pytest
 import torch
 
-from tests.models import OddExperts, TinyDeepseekV3, TinyGptOss, TinyOlmoe, TinyQwen3Moe, batches, build, ds_config
+from tests.models import (Gradless, OddExperts, TinyDeepseekV3, TinyGptOss, TinyOlmoe, TinyQwen3Moe, ZeroSized, batches,
+                          build, ds_config)
 
 LAYOUTS = {"deepseek_v3": TinyDeepseekV3, "gpt_oss": TinyGptOss, "qwen3_moe": TinyQwen3Moe, "olmoe": TinyOlmoe,
-           "odd": OddExperts}
+           "odd": OddExperts, "zero_sized": ZeroSized, "gradless": Gradless}
 # ZeRO-3 fetch paths: the ordinary fetch with coalesced fetches of several experts (a small prefetch bucket and no
 # persistent parameters), and the all-reduce fetch.
 ZERO3_PATHS = {
@@ -102,6 +103,7 @@ def _zero3_cell(layout: str, path: str, ckpt: str) -> dict:
         return out
     out["safe_losses"] = _train(safe, 2, out["safe_seen"])
     out["gathered"] = _gathered_offsets(safe)
+    out["reordered"] = bool(safe.optimizer._flat_order())
     safe.save_checkpoint(ckpt, tag="safe")
     out["safe_values"] = _values(safe)
     del safe
@@ -132,14 +134,14 @@ def _zero3_sweep(layouts: list[str], paths: list[str], ckpt: str) -> dict:
 
 
 # --- ZeRO-3 at world sizes 1-4 (issue 15) --------------------------------------------------------------------------
-# CI runs the issue's DeepSeek-V3 on the fetch path at every world size, the all-reduce fetch and GPT-OSS at 3 ranks;
+# CI runs the issue's DeepSeek-V3 on the fetch path at every world size and the all-reduce fetch at 3 ranks;
 # SAFE_ZERO_FULL_SWEEP=1 runs all four Transformers layouts on both paths at every world size (minutes per rank count).
 FULL = os.environ.get("SAFE_ZERO_FULL_SWEEP") == "1"
 ZERO3_CELLS = {ws: [(layout, path) for layout in ("deepseek_v3", "gpt_oss", "qwen3_moe", "olmoe")
                     for path in ZERO3_PATHS] for ws in (1, 2, 3, 4)} if FULL else {
     1: [("deepseek_v3", "fetch")],
     2: [("deepseek_v3", "fetch")],
-    3: [("deepseek_v3", "fetch"), ("deepseek_v3", "all_reduce"), ("gpt_oss", "fetch")],
+    3: [("deepseek_v3", "fetch"), ("deepseek_v3", "all_reduce")],
     4: [("deepseek_v3", "fetch")],
 }
 
@@ -176,10 +178,13 @@ def test_zero3_hands_grouped_mm_aligned_operands_at_every_world_size(ranks, tmp_
             assert set(r["gathered"]) == {0}, (cell, r["gathered"])
             if (world_size, cell) in STOCK_MISALIGNS:  # red on stock, asserted where it was measured
                 assert set(r["stock_seen"]) != {0}, (cell, r["stock_seen"])
-            # Same training as stock; checkpoints move both ways (the layout is stock's at >= 2 ranks).
+            # Same training as stock; a stock checkpoint resumes exactly. The layout is stock's at >= 2 ranks, so
+            # the checkpoint also moves back to plain DeepSpeed; a layout reordered at one rank (where stock's order
+            # misaligns) moves back through ds_to_universal (tests/fixes/test_grouped_mm_checkpoints.py).
             assert r["safe_losses"] == r["stock_losses"] and r["safe_losses"][1] < r["safe_losses"][0]
             assert r["resumed_next"] == r["stock_next"], cell
-            assert r["back_values_equal"], cell
+            assert not r["reordered"] or world_size == 1, cell
+            assert r["back_values_equal"] != r["reordered"], cell
 
 
 # --- every stage at world sizes 1-4: whenever stock trains, safe_zero trains ---------------------------------------

@@ -189,3 +189,28 @@ def test_zero_element_parameter_keeps_its_shape_under_legacy_unflatten(ranks, re
         if not NEEDED:
             assert r["report"] == {}, "no fix may act where DeepSpeed has no defect"
     assert results[0]["losses"] == results[-1]["losses"]
+
+
+def _fp32_state_dict_body(stage: int, ckpt_dir: str) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import safe_zero
+
+    model = build(ZeroSized)
+    engine, *_ = safe_zero.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
+    train(engine, 1)
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    shapes = lambda state: {name: tuple(t.shape) for name, t in state.items()}  # noqa: E731
+    return {"deepspeed": shapes(get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="t")),
+            "safe_zero": shapes(safe_zero.get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="t")),
+            "module": {name: tuple(p.shape) for name, p in engine.module.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_to_fp32_has_every_parameter_with_its_shape(ranks, tmp_path, stage):
+    r, = ranks.run(1, _fp32_state_dict_body, stage=stage, ckpt_dir=str(tmp_path / "ckpt"))
+    # Red on stock, asserted: the zero-element parameter is in no optimizer group and, at ZeRO-1, not saved with the
+    # frozen ones either, so DeepSpeed's zero_to_fp32 leaves it out.
+    if stage == 1:
+        assert "empty.weight" not in r["deepspeed"]
+    assert r["safe_zero"] == r["module"] and r["safe_zero"]["empty.weight"] == (0, 8)

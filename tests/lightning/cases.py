@@ -333,3 +333,32 @@ def trainer_through_a_mock() -> dict[str, Any]:
     engine = trainer.strategy.model
     return {"calls": spy.call_count, "optimizer": type(engine.optimizer).__name__, "losses": model.losses,
             "fixes_engaged": sorted(engine.safe_zero_session.report), "bound_after": bound_after}
+
+
+class CliModule(Module):
+    """:class:`Module` with its own data, as a LightningCLI ``model`` (the CLI needs no datamodule then)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return data(self.trainer.world_size)
+
+
+def cli_fits(tmp: str, yaml_text: str, cli_args: list[str]) -> dict[str, Any]:
+    """``LightningCLI(CliModule)`` with ``fit --config <yaml_text> <cli_args>``, as a user's CLI script runs it."""
+    from lightning.pytorch.cli import LightningCLI
+
+    config = os.path.join(tmp, "config.yaml")
+    with open(config, "w") as f:
+        f.write(yaml_text)
+    torch.manual_seed(0)
+    cli = LightningCLI(CliModule, args=["fit", "--config", config, *cli_args], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    session = strategy.model.safe_zero_session
+    return {
+        "strategy": f"{type(strategy).__module__}.{type(strategy).__qualname__}",
+        "stage": strategy.config["zero_optimization"]["stage"],
+        "offload_param": strategy.config["zero_optimization"].get("offload_param", {}).get("device"),
+        "block": strategy.config.get("safe_zero"),
+        "alignment_guard": session.options.alignment_guard,
+        "fixes_engaged": sorted(session.report),
+        "losses": cli.model.losses,
+    }

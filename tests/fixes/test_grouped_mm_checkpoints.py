@@ -1,0 +1,169 @@
+"""Checkpoints of grouped_mm models move between stock DeepSpeed and safe_zero (issue 16).
+
+safe_zero keeps stock's layout wherever stock already aligns the grouped_mm weights (ZeRO-3 at >= 2 ranks, tested
+with the world-size sweep); elsewhere it pads (ZeRO-1/2: DeepSpeed's ``parameter_alignment``) or reorders
+(BF16_Optimizer, ZeRO-3 at one rank). Each direction is checked exactly: the resumed run's next two losses (the
+second one reads the restored optimizer state) and its parameters equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.fixes.test_grouped_mm_world_sizes import _engine, _recording, _route_config, _train, _values
+
+ROUTES = ["stage1", "stage2", "bf16_optimizer"]
+
+
+def _has_parameter_alignment() -> bool:
+    from safe_zero.alignment import _deepspeed_has_parameter_alignment
+
+    return _deepspeed_has_parameter_alignment()
+
+
+def _universal(ckpt: str, tag: str) -> str:
+    """``ds_to_universal`` on rank 0 (the documented conversion); every rank waits for it."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        f"{ckpt}/{tag}", "--output_folder", f"{ckpt}/{tag}_universal", "--inject_missing_state"],
+                       check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    dist.barrier()
+    return f"{tag}_universal"
+
+
+def _move_body(layout: str, route: str, ckpt: str) -> dict:
+    config = _route_config(route)
+    out: dict = {}
+    # Uninterrupted runs: stock, and safe_zero.
+    stock = _engine(layout, config, safe=False)
+    _train(stock, 2, [])
+    stock.save_checkpoint(ckpt, tag="stock")
+    out["stock_next"] = _train(stock, 2, [])
+    out["stock_values"] = _values(stock)
+    del stock
+    safe = _engine(layout, config, safe=True)
+    _train(safe, 2, [])
+    safe.save_checkpoint(ckpt, tag="safe")
+    out["safe_next"] = _train(safe, 2, [])
+    out["safe_values"] = _values(safe)
+    del safe
+
+    # stock -> safe_zero.
+    resumed = _engine(layout, config, safe=True)
+    resumed.load_checkpoint(ckpt, tag="stock")
+    out["resumed_seen"] = []
+    out["resumed_next"] = _train(resumed, 2, out["resumed_seen"])
+    out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(_values(resumed), out["stock_values"]))
+    del resumed
+
+    # safe_zero -> stock: plain DeepSpeed first as the user would run it, then as its error says (ZeRO-1/2: the
+    # padded layout needs parameter_alignment), or through a universal checkpoint (a reordered layout).
+    back = _engine(layout, config, safe=False)
+    try:
+        back.load_checkpoint(ckpt, tag="safe")
+        out["back_plain_next"] = _train(back, 2, [])
+        out["back_plain_equal"] = all(torch.equal(a, b) for a, b in zip(_values(back), out["safe_values"]))
+    except RuntimeError as error:
+        out["back_plain_error"] = str(error)
+    del back
+    if "back_plain_error" in out:
+        config = _route_config(route)
+        config["zero_optimization"]["parameter_alignment"] = True
+        back = _engine(layout, config, safe=False)
+        back.load_checkpoint(ckpt, tag="safe")
+    else:
+        config = _route_config(route)
+        config["checkpoint"] = {"load_universal": True}
+        back = _engine(layout, config, safe=False)
+        back.load_checkpoint(ckpt, tag=_universal(ckpt, "safe"))
+    out["back_next"] = _train(back, 2, [])
+    out["back_equal"] = all(torch.equal(a, b) for a, b in zip(_values(back), out["safe_values"]))
+    for key in ("stock_values", "safe_values"):
+        del out[key]
+    return out
+
+
+# GPT-OSS at 2 ranks on the flat-buffer routes; ZeRO-3 reorders only where a rank holds whole parameters (1 rank)
+# and only where stock's order misaligns, which the hand-made layout does (the sweep covers the others at 1-4 ranks).
+MOVES = [("gpt_oss", route, 2) for route in ROUTES] + [("odd", "stage3", 1)]
+REORDERED = {("gpt_oss", "bf16_optimizer"), ("odd", "stage3")}
+
+
+@pytest.mark.parametrize("layout, route, world_size", MOVES)
+def test_grouped_mm_checkpoints_move_between_stock_and_safe_zero(ranks, tmp_path, layout, route, world_size):
+    if layout != "odd":
+        pytest.importorskip("transformers")
+    from safe_zero._compat import DEEPSPEED_VERSION
+
+    if route == "stage3" and DEEPSPEED_VERSION.release < (0, 19):
+        pytest.skip("DeepSpeed 0.18.x builds its second ZeRO-3 engine in a process with FusedAdam instead of torch "
+                    "AdamW, so even stock cannot resume its own checkpoint here (KeyError 'bias_correction')")
+    if route == "bf16_optimizer":
+        from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
+
+        if not BF16_OPTIMIZER_REACHABLE:
+            pytest.skip("this DeepSpeed has no BF16_Optimizer route")
+    results = ranks.run(world_size, _move_body, layout=layout, route=route, ckpt=str(tmp_path), timeout=900)
+    for r in results:
+        # stock -> safe_zero, exact (issue 16: refused before), and aligned after the load.
+        assert r["resumed_next"] == r["stock_next"] and r["resumed_equal"]
+        assert r["resumed_seen"] and set(r["resumed_seen"]) == {0}, r["resumed_seen"]
+        # safe_zero -> stock, exact, with the setting DeepSpeed's error names or through ds_to_universal.
+        if route in ("stage1", "stage2") and _has_parameter_alignment():
+            assert "parameter_alignment" in r["back_plain_error"]  # DeepSpeed's own refusal, asserted
+        if (layout, route) in REORDERED:  # plain DeepSpeed loads a reordered layout silently onto the wrong parameters
+            assert not r["back_plain_equal"]
+        assert r["back_next"] == r["safe_next"] and r["back_equal"]
+
+
+# --- universal checkpoints of safe_zero runs, at another world size -----------------------------------------------
+
+# GPT-OSS (alignment padding on ZeRO-1/2, a reordered BF16_Optimizer group) and the zero-element and gradient-less
+# models safe_zero fixes.
+UNIVERSAL = [("gpt_oss", route) for route in ("stage1", "stage2", "stage3", "bf16_optimizer")] + \
+    [("zero_sized", "stage2"), ("zero_sized", "stage3"), ("gradless", "stage2")]
+
+
+def _universal_save_body(layout: str, route: str, ckpt: str) -> dict:
+    safe = _engine(layout, _route_config(route), safe=True)
+    _train(safe, 2, [])
+    safe.save_checkpoint(ckpt, tag="t")
+    tag = _universal(ckpt, "t")
+    return {"tag": tag, "values": _values(safe), "next": _train(safe, 1, [])}
+
+
+def _universal_load_body(layout: str, route: str, ckpt: str, tag: str) -> dict:
+    config = _route_config(route)
+    config["checkpoint"] = {"load_universal": True}
+    safe = _engine(layout, config, safe=True)
+    safe.load_checkpoint(ckpt, tag=tag)
+    seen: list[int] = []
+    out = {"values": _values(safe), "next": _train(safe, 2, seen)}
+    out["seen"] = seen
+    return out
+
+
+@pytest.mark.parametrize("layout, route", UNIVERSAL)
+def test_a_universal_checkpoint_of_safe_zero_resumes_at_other_world_sizes(ranks, tmp_path, layout, route):
+    if layout == "gpt_oss":
+        pytest.importorskip("transformers")
+    if route == "bf16_optimizer":
+        from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
+
+        if not BF16_OPTIMIZER_REACHABLE:
+            pytest.skip("this DeepSpeed has no BF16_Optimizer route")
+    saved = ranks.run(2, _universal_save_body, layout=layout, route=route, ckpt=str(tmp_path), timeout=900)[0]
+    for world_size in (1, 3):
+        for r in ranks.run(world_size, _universal_load_body, layout=layout, route=route, ckpt=str(tmp_path),
+                           tag=saved["tag"], timeout=900):
+            assert all(torch.equal(a, b) for a, b in zip(r["values"], saved["values"])), (world_size, route)
+            # Every rank trains on the same batch, so the mean gradient does not depend on the world size.
+            assert r["next"][0] == saved["next"][0], (world_size, r["next"], saved["next"])
+            assert r["next"][1] < r["next"][0] and set(r["seen"]) == ({0} if layout == "gpt_oss" else set()), r["seen"]
