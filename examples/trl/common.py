@@ -7,14 +7,15 @@ what the test suite checks.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import string
 import sys
-from collections import Counter
 from typing import Any
 
 import torch
+
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fp_quant"))
+from model import summarize  # noqa: E402  examples/fp_quant/model.py: one report summary for every example
 
 #: Prompt-completion pairs, the SFT format whose loss TRL computes on the completion only. Every batch of 2
 #: holds both (the recipes read the rows in order), so the loss must fall as the model fits them.
@@ -71,17 +72,6 @@ def emit(text: str) -> None:
     newline separately, so two ranks' lines could run together."""
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), f"{text}\n".encode())
-
-
-def summarize(session: Any) -> str:
-    """What each safe_zero fix did (``engine.safe_zero_session``), one line per fix, repeats counted."""
-    lines = []
-    for name, events in sorted(session.counts.items()):
-        kinds: Counter[str] = Counter()
-        for event, times in events.items():
-            kinds[re.sub(r"\(\d+(, \d+)*\)", "(...)", event)] += times
-        lines.append(f"  {name}: " + "; ".join(what + (f" (x{n})" if n > 1 else "") for what, n in kinds.items()))
-    return "\n".join(lines)
 
 
 def report_run(trainer: Any, tag: str) -> dict[str, list[str]]:
