@@ -24,8 +24,8 @@ The fix has one mechanism for all of them. At the first gradient hook of a backw
 each rank asks autograd which trainable parameters this backward will reach
 (``torch._C._will_engine_execute_node``, as DeepSpeed's own ``count_used_parameters_in_backward``
 does), and the ranks agree in one all-reduce (MIN over a ``uint8`` flag per parameter, one byte per
-trainable parameter, per data-parallel group) that runs in the background; hooks that fire before it
-lands wait in a queue, in arrival order. Parameters every rank reaches go through DeepSpeed's hook path
+trainable parameter, per data-parallel group); on ZeRO-1/2 it runs in the background and hooks that fire
+before it lands wait in a queue, in arrival order. Parameters every rank reaches go through DeepSpeed's hook path
 unchanged, in the order their hooks fired. The others are held back and reduced at the backward's epilogue, in parameter
 order, on every rank, with a zero gradient where a rank has none -- also when no rank has one, like
 a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
@@ -141,6 +141,10 @@ class _AgreesOnReducedParams:
     """
 
     _safe_zero_agreement: Agreement | None = None
+    #: Whether hooks may queue while the agreement is in flight. Only where the bucket reductions are the only
+    #: collectives of a backward (ZeRO-1/2); ZeRO-3 also gathers parameters during backward, and a queue would
+    #: move its reductions past those gathers on some ranks only.
+    _agree_in_background: bool = False
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
         raise NotImplementedError
@@ -159,7 +163,7 @@ class _AgreesOnReducedParams:
     def _reduce_agreed(self, param: torch.nn.Parameter, *args: Any) -> None:
         """The hook body under the agreement: queue until it is known, then reduce what every rank reached."""
         agreement = self._agreement()
-        if not agreement.known():
+        if not agreement.known(wait=not self._agree_in_background):
             agreement.queued.append((param, args))
             return
         self._drain(agreement)
@@ -198,6 +202,8 @@ def _data_parallel_world(wrapper: Any) -> int:
 
 class ReduceInOneOrderStage12(_AgreesOnReducedParams):
     """Mixin for ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, every reduction route)."""
+
+    _agree_in_background = True
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
         by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
