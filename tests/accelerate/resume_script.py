@@ -13,19 +13,9 @@ import sys
 
 import torch
 
+from tests.accelerate.trainer_script import Repeat  # the repository root is on PYTHONPATH (tests/accelerate/launch.py)
+
 STEPS = 4
-
-
-class Repeat(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(1))
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids, "labels": self.ids}
 
 
 def main() -> None:

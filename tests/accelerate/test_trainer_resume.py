@@ -18,10 +18,10 @@ SCRIPT = "tests/accelerate/resume_script.py"
 
 @pytest.mark.slow
 def test_trainer_resumes_a_stock_checkpoint_through_safe_zero(tmp_path):
-    from safe_zero.alignment import _deepspeed_has_parameter_alignment
+    from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
 
-    if not _deepspeed_has_parameter_alignment():
-        pytest.skip("the stock -> safe_zero ZeRO-2 conversion needs DeepSpeed >= 0.19.8")
+    if DEEPSPEED_VERSION not in PARAMETER_ALIGNMENT_OPTION:
+        pytest.skip(f"the stock -> safe_zero ZeRO-2 conversion needs DeepSpeed {PARAMETER_ALIGNMENT_OPTION}")
     launch = ("--config_file", "examples/accelerate/zero2.yaml", "--num_processes", "1", SCRIPT)
     records, _ = accelerate_launch(*launch, "stock", str(tmp_path))
     (stock,) = by_phase(records, "stock", 1)
