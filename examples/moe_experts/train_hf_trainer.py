@@ -76,3 +76,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # A gloo thread torn down during interpreter finalization can abort a 2-process CPU run after training finished.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)

@@ -91,3 +91,15 @@ def report_run(trainer: Any, tag: str) -> dict[str, list[str]]:
     if args.process_index == 0 and report:
         emit(summarize(session))
     return report
+
+
+def finish() -> None:
+    """End a multi-process CPU run cleanly: a gloo thread torn down during interpreter finalization can abort the
+    process (SIGABRT, "terminate called without an active exception") after training finished."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)

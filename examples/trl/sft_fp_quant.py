@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # common.py
 sys.path.insert(1, os.path.join(os.path.dirname(HERE), "fp_quant"))  # model.py, cpu_support.py
 
-from common import dataset, emit, on_cpu, report_run, single_process_rendezvous, tokenizer  # noqa: E402
+from common import dataset, emit, finish, on_cpu, report_run, single_process_rendezvous, tokenizer  # noqa: E402
 
 DEFAULT_DEEPSPEED = "examples/trl/zero3.json"
 
@@ -81,3 +81,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 
 import torch  # noqa: E402
 
-from common import dataset, emit, on_cpu, report_run, single_process_rendezvous, tokenizer  # noqa: E402
+from common import dataset, emit, finish, on_cpu, report_run, single_process_rendezvous, tokenizer  # noqa: E402
 
 #: The tiny GPT-OSS of examples/moe_grouped_mm/: hidden 64, 4 experts (intermediate 32), 2 per token.
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
@@ -125,3 +125,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()
