@@ -39,6 +39,15 @@ class AlignmentError(SafeZeroError):
     """A grouped_mm weight is, or would be, off the 16-byte grid on this DeepSpeed route."""
 
 
+class RankDivergenceError(SafeZeroError):
+    """Under ZeRO-3 the ranks entered different modules at the same point of a forward: their parameter
+    gathers would no longer match."""
+
+
+class ModuleOrderWarning(UserWarning):
+    """Under ZeRO-3 a rank left the module order DeepSpeed recorded: fine if every rank did the same, a hang if not."""
+
+
 class AlignmentWarning(UserWarning):
     """Alignment is needed by the model but was turned off by the user."""
 

@@ -14,6 +14,10 @@ otherwise write their own per model. safe_zero detects the pattern instead: a mo
 MoE layers). Transformers' fused 3-D experts are single parameters and need nothing. The
 ``"safe_zero": {"leaf_modules": {"add": [...], "remove": [...]}}`` block adds or removes classes
 (by class name or ``module.QualName``).
+
+A module that some ranks skip altogether (an optional vision tower) cannot be a leaf: a rank that
+never enters it never gathers it. ``"optional_modules"`` names those; :func:`optional_modules` finds
+them and ``safe_zero.fixes.gradless_params`` keeps their parameters gathered on every rank.
 """
 
 from __future__ import annotations
@@ -47,6 +51,31 @@ def moe_blocks(model: nn.Module, add: Iterable[str] = (), remove: Iterable[str] 
         detected = isinstance(getattr(module, "experts", None), nn.ModuleList) or _matches(module, add)
         if detected and not _matches(module, remove):
             found[name] = module
+    return found
+
+
+def optional_modules(model: nn.Module, entries: Iterable[str]) -> dict[str, nn.Module]:
+    """The modules of ``model`` that ``entries`` name (qualified name or class name), outermost only.
+
+    Raises ``SafeZeroConfigError`` for an entry that names no module below the root: a typo must not
+    leave a hang, and every rank runs the root anyway.
+    """
+    from safe_zero.errors import SafeZeroConfigError
+
+    entries = list(entries)
+    found: dict[str, nn.Module] = {}
+    matched: set[str] = set()
+    for name, module in model.named_modules():
+        hits = {e for e in entries if e == name or _matches(module, [e])}
+        if not name or not hits:
+            continue
+        matched |= hits
+        if not any(name.startswith(f"{outer}.") for outer in found):
+            found[name] = module
+    missing = [e for e in entries if e not in matched]
+    if missing:
+        raise SafeZeroConfigError(f'"safe_zero.optional_modules" entries {missing} name no module below the model\'s '
+                                  "root; use a qualified name from model.named_modules() or a class name")
     return found
 
 

@@ -10,7 +10,8 @@ DeepSpeed ignores unknown top-level config keys, so the block travels inside the
         "fixes": {"zero3_zero_element_params": "auto", "gradless_params": true},
         "alignment": "auto",
         "alignment_guard": true,
-        "leaf_modules": {"add": ["MyMoEBlock"], "remove": []}
+        "leaf_modules": {"add": ["MyMoEBlock"], "remove": []},
+        "optional_modules": ["vision_tower"]
       }
     }
 """
@@ -47,12 +48,20 @@ class SafeZeroOptions:
         leaf_modules: ZeRO-3 only. ``{"add": [...], "remove": [...]}``: module classes (class name or
             ``module.QualName``) to gather whole as ZeRO-3 leaf modules beyond, or instead of, the MoE
             blocks safe_zero detects (a module whose ``experts`` child is an ``nn.ModuleList``).
+        optional_modules: ZeRO-3 only. Modules that some ranks may skip in a forward (a vision tower run
+            only for samples with an image, a conditional adapter), by qualified name as in
+            ``model.named_modules()`` or by class name. Their parameters stay gathered on every rank
+            (like DeepSpeed's persistent parameters), so a rank that skips them makes the same
+            collectives as one that runs them, and their gradients are reduced with zeros from the
+            ranks that skipped them. Costs their full size in memory on every rank; optimizer state
+            stays partitioned. ZeRO-1/2 need nothing and ignore it.
     """
 
     fixes: Mapping[str, Setting] = field(default_factory=dict)
     alignment: Setting = "auto"
     alignment_guard: bool = True
     leaf_modules: Mapping[str, list[str]] = field(default_factory=dict)
+    optional_modules: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> "SafeZeroOptions":
@@ -64,7 +73,7 @@ class SafeZeroOptions:
             block = {}
         if not isinstance(block, Mapping):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}" must be an object, got {type(block).__name__}')
-        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules"}
+        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules", "optional_modules"}
         unknown = set(block) - allowed
         if unknown:
             raise SafeZeroConfigError(f'unknown key(s) {sorted(unknown)} in "{CONFIG_KEY}"; allowed: {sorted(allowed)}')
@@ -86,8 +95,12 @@ class SafeZeroOptions:
                 isinstance(v, list) and all(isinstance(c, str) for c in v) for v in leaf_modules.values()):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.leaf_modules" must be {{"add": [class names], "remove": '
                                       f'[class names]}}, got {leaf_modules!r}')
+        optional = block.get("optional_modules", []) or []
+        if not isinstance(optional, list) or not all(isinstance(name, str) for name in optional):
+            raise SafeZeroConfigError(f'"{CONFIG_KEY}.optional_modules" must be a list of module names or class '
+                                      f'names, got {optional!r}')
         return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard,
-                   leaf_modules={k: list(v) for k, v in leaf_modules.items()})
+                   leaf_modules={k: list(v) for k, v in leaf_modules.items()}, optional_modules=tuple(optional))
 
 
 def _check_setting(where: str, value: Any) -> None:

@@ -21,7 +21,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
-from safe_zero.fixes.gradless_params import ReduceInOneOrderStage3, ReduceInOneOrderStage12
+from safe_zero.fixes.gradless_params import (AgreesOnModulesWhileRecording, KeepsOptionalModulesGathered,
+                                             ReduceInOneOrderStage3, ReduceInOneOrderStage12)
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
                                                    AlignStage3SubGroups, GuardGatheredAlignment,
                                                    LoadsUnpaddedCheckpoints)
@@ -55,12 +56,13 @@ class SafeDeepSpeedZeroOptimizer_Stage3(CapturesSession, AlignStage3SubGroups, R
     """ZeRO-3 optimizer."""
 
 
-class SafeDeepSpeedZeRoOffload(CapturesSession, AlignAllReduceFetch, AdoptZeroElementParams, DeepSpeedZeRoOffload):
+class SafeDeepSpeedZeRoOffload(CapturesSession, AlignAllReduceFetch, AdoptZeroElementParams, KeepsOptionalModulesGathered,
+                               DeepSpeedZeRoOffload):
     """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
 
 
-class SafePartitionedParameterCoordinator(CapturesSession, GuardGatheredAlignment, MaterializeZeroElementOnFetch,
-                                          PartitionedParameterCoordinator):
+class SafePartitionedParameterCoordinator(CapturesSession, GuardGatheredAlignment, AgreesOnModulesWhileRecording,
+                                          MaterializeZeroElementOnFetch, PartitionedParameterCoordinator):
     """ZeRO-3 fetch/release coordinator."""
 
 

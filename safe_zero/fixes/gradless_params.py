@@ -36,7 +36,14 @@ whose single ordered pass only needs the zeros).
 ZeRO-3 gathers parameters module by module, so a module that some ranks skip also desynchronises
 the gathers. MoE blocks whose experts are separate modules are therefore made ZeRO-3 leaf modules
 (``safe_zero.leaf_modules``): gathered whole on every rank, with DeepSpeed's leaf backward hook
-zero-filling the experts a rank did not use.
+zero-filling the experts a rank did not use. A module that some ranks never enter (an optional
+tower) cannot be a leaf; the ``"optional_modules"`` it is listed in keep its parameters gathered on
+every rank, out of the fetch/release trace (``KeepsOptionalModulesGathered``), and its gradients take
+the agreement above. Without that listing, while DeepSpeed records its module trace (the first
+forward, and again after any change of module order) the ranks agree on each module before its
+gather, and stop together with an error that names the modules and the setting
+(``AgreesOnModulesWhileRecording``), where stock would hang in the gather or stop a step later in
+``assert_ints_same_as_other_ranks`` (``partitioned_param_coordinator.py`` ``reset_step``).
 
 What happens to a value: a zero gradient leaves a parameter that no rank used bit-identical under
 Adam/AdamW and SGD without weight decay (Adam's update is ``0 / (0 + eps) = 0`` until it has
@@ -45,11 +52,13 @@ momentum). Decoupled weight decay still applies, as to any parameter in its grou
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
 from packaging.specifiers import SpecifierSet
 
+from safe_zero.errors import ModuleOrderWarning, RankDivergenceError
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
@@ -292,3 +301,150 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
     def independent_gradient_partition_epilogue(self) -> None:
         self._finish_agreement((param, ()) for group in self.fp16_groups for param in group)
         super().independent_gradient_partition_epilogue()
+
+
+def _module_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+    from deepspeed.utils import z3_leaf_module
+
+    return list(iter_params(module, recurse=z3_leaf_module(module)))
+
+
+class KeepsOptionalModulesGathered:
+    """Mixin for ``DeepSpeedZeRoOffload``: the ``"optional_modules"`` stay gathered on every rank.
+
+    Their parameters join DeepSpeed's persistent parameters, which the optimizer gathers again after
+    every step and checkpoint (``stage3.py`` ``_post_step``, ``checkpoint_event_epilogue``); the
+    coordinator leaves their modules out of the trace and gathers them at the start of a forward where
+    anything else released them. Also hands the coordinator the module names for its errors.
+    """
+
+    @overrides
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        session = session_for(self)
+        if not session.uses(FIX):
+            return
+        from safe_zero.leaf_modules import optional_modules
+
+        coordinator = self.get_param_coordinator()
+        coordinator._safe_zero_names = {m.ds_id: name or type(module).__name__ for name, m in module.named_modules()
+                                        if hasattr(m, "ds_id")}
+        optional = optional_modules(module, session.options.optional_modules)
+        if not optional:
+            return
+        kept = {id(m) for outer in optional.values() for m in outer.modules()}
+        params = list(dict.fromkeys(p for outer in optional.values() for p in outer.parameters()))
+        persistent = {id(p) for p in self.persistent_parameters}
+        for param in params:
+            param.ds_persist = True
+            if id(param) not in persistent:
+                self.persistent_parameters.append(param)
+        coordinator._safe_zero_kept_modules = kept
+        coordinator._safe_zero_kept_params = params
+        session.engaged(FIX, f"optional module(s) {', '.join(optional)} kept gathered on every rank under ZeRO-3")
+
+
+class AgreesOnModulesWhileRecording:
+    """Mixin for ``PartitionedParameterCoordinator``: optional modules out of the trace, and one module order.
+
+    - A kept (optional) module is invisible to the trace, the fetch and the release: its parameters are
+      gathered at the start of each forward where they are not (a collective every rank makes there).
+    - While DeepSpeed records the trace, the ranks all-gather the id of each module with non-empty parameters
+      before its gather (one 8-byte element per rank per module, in recording forwards only) and raise the same
+      ``RankDivergenceError`` on every rank when they differ. Once the trace is complete, prefetching follows
+      it and nothing is added. A rank that then leaves the trace only warns (``ModuleOrderWarning``): whether the
+      other ranks left it too is not something it can ask without a collective they might not make.
+    """
+
+    _safe_zero_names: dict[int, str] = {}
+    _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
+    _safe_zero_kept_params: list[torch.nn.Parameter] = []
+
+    def _kept(self, module: torch.nn.Module) -> bool:
+        return id(module) in self._safe_zero_kept_modules
+
+    @overrides
+    def reset_step(self) -> None:
+        super().reset_step()
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        released = [p for p in self._safe_zero_kept_params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if released:  # released on every rank alike: by an optimizer step, a checkpoint or empty_partition_cache
+            released[0].all_gather(param_list=released)
+
+    @overrides
+    def trace_prologue(self, sub_module: torch.nn.Module) -> None:
+        if self._kept(sub_module):
+            return
+        complete = self.is_complete_trace()
+        super().trace_prologue(sub_module)
+        if complete and self.is_invalid_trace() and session_for(self).uses(FIX):
+            self._warn_left_trace(sub_module)
+
+    def _warn_left_trace(self, module: torch.nn.Module) -> None:
+        # Only this rank knows; a collective here would hang where the other ranks did not leave the trace.
+        name = self._safe_zero_names.get(module.ds_id, type(module).__name__)
+        warned = self.__dict__.setdefault("_safe_zero_left_trace", set())
+        if name not in warned:
+            warned.add(name)
+            warnings.warn(f"ZeRO-3: this rank entered `{name}` where DeepSpeed's recorded module order has another "
+                          "module. Fine if every rank did the same (DeepSpeed records the order again); if other ranks "
+                          "ran a module this rank skipped, the ranks' gathers no longer match and the job hangs: list "
+                          'that module in the DeepSpeed config, "safe_zero": {"optional_modules": [...]}.',
+                          ModuleOrderWarning, stacklevel=2)
+
+    @overrides
+    def record_module(self, sub_module: torch.nn.Module) -> None:
+        if not self._kept(sub_module):
+            super().record_module(sub_module)
+
+    @overrides
+    def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
+        if self._kept(current_submodule):
+            return
+        if forward and self.is_record_trace() and session_for(self).uses(FIX):
+            # Modules whose parameters are all zero-element gather nothing: no agreement either.
+            params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
+            if params:
+                self._agree_on_module(current_submodule, params[0].ds_process_group)
+        super().fetch_sub_module(current_submodule, forward)
+
+    @overrides
+    def release_sub_module(self, submodule: torch.nn.Module, forward: bool = False) -> None:
+        if not self._kept(submodule):
+            super().release_sub_module(submodule, forward)
+
+    def _agree_on_module(self, module: torch.nn.Module, group: Any) -> None:
+        from deepspeed import comm as dist
+        from deepspeed.accelerator import get_accelerator
+
+        world = dist.get_world_size(group=group)
+        if world < 2:
+            return
+        device = get_accelerator().current_device_name()
+        mine = torch.tensor([module.ds_id], dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine, group=group)
+        ids = [int(t.item()) for t in everyone]
+        if len(set(ids)) > 1:
+            raise RankDivergenceError(self._divergence_message(ids))
+
+    def _divergence_message(self, ids: list[int]) -> str:
+        names = [self._safe_zero_names.get(i, f"module #{i}") for i in ids]
+        ran = ", ".join(f"rank {rank} `{name}`" for rank, name in enumerate(names))
+        distinct = list(dict.fromkeys(names))
+        common = distinct[0].split(".")
+        for name in distinct[1:]:
+            parts = name.split(".")
+            common = common[:next((k for k, (a, b) in enumerate(zip(common, parts)) if a != b),
+                                  min(len(common), len(parts)))]
+        # The children of the deepest common ancestor: one of them is what some ranks skip.
+        candidates = list(dict.fromkeys(".".join(name.split(".")[:len(common) + 1]) for name in distinct))
+        return (f"under ZeRO-3 the ranks entered different modules at the same point of the forward ({ran}), so "
+                "their parameter gathers would no longer match (stock DeepSpeed hangs here, or stops a step later "
+                "with 'Detected a disagreement on list contents'). If the model skips a module for some inputs (an "
+                "optional tower, a conditional adapter), list it in the DeepSpeed config, e.g. "
+                f'"safe_zero": {{"optional_modules": ["{candidates[0]}"]}} (one of {candidates}): its parameters '
+                "then stay gathered on every rank and it trains as DDP would. If these are experts of one MoE "
+                'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')

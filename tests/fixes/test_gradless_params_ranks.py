@@ -9,10 +9,13 @@ did not use contributes nothing -- exactly DDP with ``find_unused_parameters=Tru
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from safe_zero._compat import DEEPSPEED_VERSION
+from safe_zero.errors import ModuleOrderWarning
 from safe_zero.fixes import flat_buffer_autograd
 from tests.models import ExpertMoE, OptionalTower, build, expert_batch
 from tests.rig import RankFailure
@@ -22,7 +25,8 @@ TOLERANCE = 1e-5
 LR = 1e-2
 #: experts each rank's tokens are routed to: every expert is used somewhere, every rank misses two.
 ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
-MODELS = {"moe": ExpertMoE, "tower": OptionalTower}
+#: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank).
+MODELS = {"moe": ExpertMoE, "tower": OptionalTower, "tower-late": OptionalTower}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -32,12 +36,14 @@ def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
         return expert_batch(ROUTES[world_size][rank], seed)
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
-    image = torch.randn(2, 4, generator=g) if rank % 2 == 0 else None  # odd ranks carry no image
+    carries = micro == 0 if model == "tower-late" else rank % 2 == 0  # odd ranks carry no image
+    image = torch.randn(2, 4, generator=g) if carries else None
     return x, y, image
 
 
-def config(stage: int, world_size: int, accumulation: int = 1, **zero) -> dict:
+def config(stage: int, world_size: int, accumulation: int = 1, safe_zero: dict | None = None, **zero) -> dict:
     return {
+        **({"safe_zero": safe_zero} if safe_zero else {}),
         "train_batch_size": 2 * accumulation * world_size,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accumulation,
@@ -48,7 +54,8 @@ def config(stage: int, world_size: int, accumulation: int = 1, **zero) -> dict:
     }
 
 
-def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: int = 1, **zero) -> dict:
+def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: int = 1, options: dict | None = None,
+           **zero) -> dict:
     import deepspeed
     import torch.distributed as dist
 
@@ -58,19 +65,22 @@ def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: in
     net = build(MODELS[model])
     init = safe_zero.initialize if safe else deepspeed.initialize
     engine, *_ = init(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                      config=config(stage, world_size, accumulation, **zero))
+                      config=config(stage, world_size, accumulation, options, **zero))
     losses = []
-    for step in range(STEPS):
-        for micro in range(accumulation):
-            loss = engine(*micro_batch(model, rank, world_size, step * accumulation + micro))
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ModuleOrderWarning)
+        for step in range(STEPS):
+            for micro in range(accumulation):
+                loss = engine(*micro_batch(model, rank, world_size, step * accumulation + micro))
+                engine.backward(loss)
+                engine.step()
+            losses.append(loss.item())
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         state = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     report = dict(getattr(engine, "safe_zero_session", None).report) if safe else {}
-    return {"params": state, "losses": losses, "report": report}
+    left_trace = [str(w.message) for w in caught if issubclass(w.category, ModuleOrderWarning)]
+    return {"params": state, "losses": losses, "report": report, "left_trace": left_trace}
 
 
 def _cpu_skips_uncontiguous_all_reduce() -> bool:
@@ -174,3 +184,45 @@ def test_safe_zero12_is_ddp_exact_on_an_optional_tower(ranks, stage, overlap, wo
     expected = reference("tower", world_size)
     for r in results:
         assert max_error(r, expected) < TOLERANCE
+
+
+def test_stock_zero3_fails_on_an_optional_tower(ranks):
+    # The rank that runs the tower gathers its parameters, the other the head's: gloo aborts one process
+    # ("Received data size doesn't match expected size. Is there a distributed collective mismatch"), or one
+    # rank waits in the collective until the pool's timeout.
+    with pytest.raises((RuntimeError, TimeoutError), match="pool died|did not finish|mismatch|disagreement"):
+        ranks.run(2, _train, model="tower", safe=False, world_size=2, stage=3, timeout=45)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_safe_zero3_stops_on_an_optional_tower_naming_the_module_and_the_setting(ranks, world_size):
+    with pytest.raises(RankFailure) as failure:
+        ranks.run(world_size, _train, model="tower", safe=True, world_size=world_size, stage=3, timeout=60)
+    message = str(failure.value)
+    assert "RankDivergenceError" in message and "rank 0 `tower.0`" in message and "rank 1 `head`" in message
+    assert '"optional_modules": ["tower"]' in message
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("persistence", [0, None])
+def test_safe_zero3_is_ddp_exact_on_an_optional_tower_listed_in_optional_modules(ranks, world_size, persistence):
+    zero = {} if persistence is None else {"stage3_param_persistence_threshold": persistence}
+    results = ranks.run(world_size, _train, model="tower", safe=True, world_size=world_size, stage=3,
+                        options={"optional_modules": ["tower"]}, **zero)
+    expected = reference("tower", world_size)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+    assert any("optional module(s) tower kept gathered" in what for what in results[0]["report"]["gradless_params"])
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_zero3_module_order_that_changes_on_every_rank_alike_trains_as_on_stock(ranks, safe):
+    """Every rank drops the tower after the first step: DeepSpeed records its trace again, on every rank alike.
+    safe_zero's module-order agreement then runs again and finds the ranks agree; this rank only warns."""
+    results = ranks.run(2, _train, model="tower-late", safe=safe, world_size=2, stage=3)
+    expected = reference("tower-late", 2)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+        if safe:
+            assert len(r["left_trace"]) == 1 and "`head`" in r["left_trace"][0], r["left_trace"]
