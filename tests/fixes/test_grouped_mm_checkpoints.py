@@ -100,11 +100,6 @@ REORDERED = {("gpt_oss", "bf16_optimizer"), ("odd", "stage3")}
 def test_grouped_mm_checkpoints_move_between_stock_and_safe_zero(ranks, tmp_path, layout, route, world_size):
     if layout != "odd":
         pytest.importorskip("transformers")
-    from safe_zero._compat import DEEPSPEED_VERSION
-
-    if route == "stage3" and DEEPSPEED_VERSION.release < (0, 19):
-        pytest.skip("DeepSpeed 0.18.x builds its second ZeRO-3 engine in a process with FusedAdam instead of torch "
-                    "AdamW, so even stock cannot resume its own checkpoint here (KeyError 'bias_correction')")
     if route == "bf16_optimizer":
         from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
 
@@ -167,3 +162,95 @@ def test_a_universal_checkpoint_of_safe_zero_resumes_at_other_world_sizes(ranks,
             # Every rank trains on the same batch, so the mean gradient does not depend on the world size.
             assert r["next"][0] == saved["next"][0], (world_size, r["next"], saved["next"])
             assert r["next"][1] < r["next"][0] and set(r["seen"]) == ({0} if layout == "gpt_oss" else set()), r["seen"]
+
+
+# --- ZeRO-1/2 moves of a hand-made misaligned layout, without Transformers (both CI legs) --------------------------
+# DeepSpeed >= 0.19.7: safe_zero pads (parameter_alignment) and the moves are direct, as for GPT-OSS above. Before
+# 0.19.7 safe_zero reorders the ZeRO-1/2 flat groups, a layout whose checkpoints it does not map: stock -> safe_zero is
+# refused with the universal-checkpoint command, and the universal checkpoint moves either way exactly.
+
+
+def _zero12_move_body(route: str, ckpt: str) -> dict:
+    from safe_zero.errors import AlignmentError
+
+    def engine(safe: bool, load_universal: bool = False):
+        config = _route_config(route)
+        if load_universal:
+            config["checkpoint"] = {"load_universal": True}
+        return _engine("odd", config, safe=safe)
+
+    out: dict = {"stock_seen": [], "universal_seen": []}
+    stock = engine(safe=False)
+    _train(stock, 2, out["stock_seen"])
+    stock.save_checkpoint(ckpt, tag="stock")
+    out["stock_next"] = _train(stock, 2, [])
+    stock_values = _values(stock)
+    del stock
+    safe = engine(safe=True)
+    out["safe_optimizer"] = type(safe.optimizer).__name__
+    out["reordered"] = bool(safe.optimizer._flat_order())
+    _train(safe, 2, [])
+    safe.save_checkpoint(ckpt, tag="safe")
+    out["safe_next"] = _train(safe, 2, [])
+    safe_values = _values(safe)
+    del safe
+
+    def same(loaded, values) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(_values(loaded), values))
+
+    # stock -> safe_zero as is, and through a universal checkpoint.
+    direct = engine(safe=True)
+    try:
+        direct.load_checkpoint(ckpt, tag="stock")
+        out["direct_next"] = _train(direct, 2, [])
+        out["direct_equal"] = same(direct, stock_values)
+    except AlignmentError as error:
+        out["direct_error"] = str(error)
+    del direct
+    resumed = engine(safe=True, load_universal=True)
+    resumed.load_checkpoint(ckpt, tag=_universal(ckpt, "stock"))
+    out["universal_next"] = _train(resumed, 2, out["universal_seen"])
+    out["universal_equal"] = same(resumed, stock_values)
+    del resumed
+
+    # safe_zero -> stock as is (what a user would try first), and through a universal checkpoint.
+    back = engine(safe=False)
+    try:
+        back.load_checkpoint(ckpt, tag="safe")
+        out["back_plain_equal"] = same(back, safe_values)
+        out["back_plain_next"] = _train(back, 2, [])
+    except RuntimeError as error:
+        out["back_plain_error"] = str(error)
+    del back
+    back = engine(safe=False, load_universal=True)
+    back.load_checkpoint(ckpt, tag=_universal(ckpt, "safe"))
+    out["back_universal_next"] = _train(back, 2, [])
+    out["back_universal_equal"] = same(back, safe_values)
+    return out
+
+
+@pytest.mark.parametrize("route", ["stage1", "stage2"])
+def test_zero12_checkpoints_of_a_misaligned_layout_move_or_are_refused_with_the_universal_command(
+        ranks, tmp_path, route):
+    # One rank: stock ZeRO-1/2 does not train at two CPU ranks on DeepSpeed 0.18.7-0.18.x (flat_buffer_autograd).
+    (r,) = ranks.run(1, _zero12_move_body, route=route, ckpt=str(tmp_path), timeout=600)
+    assert set(r["stock_seen"]) - {0}, r["stock_seen"]  # red on stock: the expert weight is off the grid
+    assert r["safe_optimizer"] == "SafeDeepSpeedZeroOptimizer"
+    assert r["safe_next"] == r["stock_next"]  # the same training, in safe_zero's layout
+    if _has_parameter_alignment():
+        # Padded by DeepSpeed: stock's checkpoint loads directly (LoadsUnpaddedCheckpoints); back needs the setting.
+        assert not r["reordered"]
+        assert r["direct_next"] == r["stock_next"] and r["direct_equal"], r
+        assert "parameter_alignment" in r["back_plain_error"]
+    else:
+        # Reordered: stock -> safe_zero is refused, naming the conversion, never loaded onto the wrong parameters;
+        # plain DeepSpeed cannot tell and loads safe_zero's checkpoint onto the wrong parameters.
+        assert r["reordered"]
+        assert "direct_next" not in r, "a stock checkpoint in another order must be refused"
+        assert "ds_to_universal" in r["direct_error"] and "--inject_missing_state" in r["direct_error"]
+        assert '"load_universal": true' in r["direct_error"]
+        assert "back_plain_error" not in r and not r["back_plain_equal"]
+    # The universal checkpoint moves either way, exactly, and safe_zero's resumed run is aligned.
+    assert r["universal_next"] == r["stock_next"] and r["universal_equal"], r
+    assert r["universal_seen"] and set(r["universal_seen"]) == {0}, r["universal_seen"]
+    assert r["back_universal_next"] == r["safe_next"] and r["back_universal_equal"], r

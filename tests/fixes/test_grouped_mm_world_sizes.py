@@ -9,6 +9,7 @@ time); CPU grouped_mm does not check alignment, so the tests assert ``data_ptr()
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 
@@ -51,7 +52,9 @@ def _engine(layout: str, config: dict, safe: bool):
 
     model = build(LAYOUTS[layout])
     init = safe_zero.initialize if safe else deepspeed.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
+    # A copy: DeepSpeed < 0.19 pops "torch_adam" from the config it is given, so a second engine built from the
+    # same dict would get DeepSpeed's own Adam instead of torch's.
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
     return engine
 
 
