@@ -48,6 +48,10 @@ class ModuleOrderWarning(UserWarning):
     """Under ZeRO-3 a rank left the module order DeepSpeed recorded: fine if every rank did the same, a hang if not."""
 
 
+class ReentrantCheckpointWarning(UserWarning):
+    """Reentrant activation checkpointing at several ranks: checkpointed blocks' gradients wait for the epilogue."""
+
+
 class AlignmentWarning(UserWarning):
     """Alignment is needed by the model but was turned off by the user."""
 

@@ -213,6 +213,26 @@ class ExpertMoE(nn.Module):
         return (self.head(torch.relu(self.moe(x, h) + h)) - y).pow(2).mean()
 
 
+class CheckpointedMoE(ExpertMoE):
+    """:class:`ExpertMoE` with its MoE block under reentrant activation checkpointing: the block's backward
+    runs as a nested backward of its own (another autograd graph task) inside the model's."""
+
+    REENTRANT = True
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        moe = checkpoint(self.moe, x, h, use_reentrant=self.REENTRANT)
+        return (self.head(torch.relu(moe + h)) - y).pow(2).mean()
+
+
+class NonReentrantCheckpointedMoE(CheckpointedMoE):
+    """:class:`CheckpointedMoE` with non-reentrant checkpointing: one graph task, recomputed on unpack."""
+
+    REENTRANT = False
+
+
 def expert_batch(experts: list[int], seed: int, tokens_per_expert: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens routed to ``experts`` by :class:`ExpertMoE`'s router, and regression targets."""
     g = torch.Generator().manual_seed(seed)

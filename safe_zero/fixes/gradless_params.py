@@ -58,7 +58,7 @@ from typing import Any, Iterable
 import torch
 from packaging.specifiers import SpecifierSet
 
-from safe_zero.errors import ModuleOrderWarning, RankDivergenceError
+from safe_zero.errors import ModuleOrderWarning, RankDivergenceError, ReentrantCheckpointWarning
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
@@ -162,12 +162,39 @@ class _AgreesOnReducedParams:
         raise NotImplementedError
 
     def _agreement(self) -> Agreement:
-        """This backward's agreement, started at its first reducing hook."""
-        graph_task = torch._C._current_graph_task_id()
+        """This backward's agreement, started at its first reducing hook and ended at its epilogue.
+
+        With reentrant activation checkpointing a checkpointed block's gradients arrive in a nested backward
+        (another autograd graph task) of the same ``engine.backward``; the agreement spans it. Their
+        accumulators were not in the graph the agreement asked about, so they are held for the epilogue.
+        """
         agreement = self._safe_zero_agreement
-        if agreement is None or agreement.graph_task != graph_task:
-            agreement = self._safe_zero_agreement = Agreement(graph_task, self._reduced_params_by_group())
+        if agreement is None:
+            agreement = self._safe_zero_agreement = Agreement(torch._C._current_graph_task_id(),
+                                                              self._reduced_params_by_group())
+        elif agreement.graph_task != torch._C._current_graph_task_id():
+            self._warn_nested_backward()
         return agreement
+
+    @overrides
+    def enter_backward(self) -> None:
+        # engine.backward enters here before autograd runs: an agreement left by a backward that never reached
+        # its epilogue (an exception) must not decide this one. Reentrant phases re-enter from inside a hook.
+        if torch._C._current_graph_task_id() == -1:
+            self._safe_zero_agreement = None
+        super().enter_backward()
+
+    def _warn_nested_backward(self) -> None:
+        if not getattr(self, "_safe_zero_nested_warned", False):
+            self._safe_zero_nested_warned = True
+            warnings.warn("reentrant activation checkpointing (use_reentrant=True) at more than one data-parallel "
+                          "rank: the gradients of checkpointed blocks are reduced at the end of the backward, held "
+                          "in full until then, so that every rank reduces the same parameters in the same order. "
+                          "Non-reentrant checkpointing (use_reentrant=False, e.g. Trainer's gradient_checkpointing_"
+                          'kwargs={"use_reentrant": False}) keeps DeepSpeed\'s overlap and memory.',
+                          ReentrantCheckpointWarning, stacklevel=3)
+            session_for(self).engaged(FIX, "reentrant activation checkpointing: checkpointed blocks' gradients "
+                                           "reduced at the end of the backward")
 
     def _reduce_agreed(self, param: torch.nn.Parameter, *args: Any) -> None:
         """The hook body under the agreement: queue until it is known, then reduce what every rank reached."""

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from safe_zero._compat import DEEPSPEED_VERSION
-from safe_zero.errors import ModuleOrderWarning
+from safe_zero.errors import ModuleOrderWarning, ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import ExpertMoE, OptionalTower, build, expert_batch
+from tests.models import (CheckpointedMoE, ExpertMoE, NonReentrantCheckpointedMoE, OptionalTower, build,
+                          expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -26,13 +27,14 @@ LR = 1e-2
 #: experts each rank's tokens are routed to: every expert is used somewhere, every rank misses two.
 ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank).
-MODELS = {"moe": ExpertMoE, "tower": OptionalTower, "tower-late": OptionalTower}
+MODELS = {"moe": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
+          "tower": OptionalTower, "tower-late": OptionalTower}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
     """The inputs of ``rank`` at micro-step ``micro`` (the same on every run)."""
     seed = 1000 * micro + rank
-    if model == "moe":
+    if model.startswith("moe"):
         return expert_batch(ROUTES[world_size][rank], seed)
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
@@ -69,6 +71,7 @@ def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: in
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ModuleOrderWarning)
+        warnings.simplefilter("always", ReentrantCheckpointWarning)
         for step in range(STEPS):
             for micro in range(accumulation):
                 loss = engine(*micro_batch(model, rank, world_size, step * accumulation + micro))
@@ -80,7 +83,8 @@ def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: in
         state = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     report = dict(getattr(engine, "safe_zero_session", None).report) if safe else {}
     left_trace = [str(w.message) for w in caught if issubclass(w.category, ModuleOrderWarning)]
-    return {"params": state, "losses": losses, "report": report, "left_trace": left_trace}
+    warned = [str(w.message) for w in caught if issubclass(w.category, ReentrantCheckpointWarning)]
+    return {"params": state, "losses": losses, "report": report, "left_trace": left_trace, "warned": warned}
 
 
 def _cpu_skips_uncontiguous_all_reduce() -> bool:
@@ -226,3 +230,17 @@ def test_zero3_module_order_that_changes_on_every_rank_alike_trains_as_on_stock(
         assert max_error(r, expected) < TOLERANCE
         if safe:
             assert len(r["left_trace"]) == 1 and "`head`" in r["left_trace"][0], r["left_trace"]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("route", ["stage1-overlap", "stage2", "stage2-overlap", "stage3"])
+def test_activation_checkpointing_is_ddp_exact(ranks, route, reentrant):
+    """Reentrant: the checkpointed block's gradients arrive in a nested backward (another graph task) of the same
+    step, and wait for the epilogue (with a warning). Non-reentrant: one graph task, nothing changes."""
+    kwargs = dict(stage=3) if route == "stage3" else ZERO12_ROUTES[route]
+    model = "moe-checkpointed" if reentrant else "moe-checkpointed-nonreentrant"
+    results = ranks.run(2, _train, model=model, safe=True, world_size=2, **kwargs)
+    expected = reference(model, 2)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+        assert bool(r["warned"]) == reentrant, r["warned"]
