@@ -103,6 +103,9 @@ def reference(model: str, world_size: int, accumulation: int = 1) -> dict[str, t
         for micro in range(accumulation):
             losses = [net(*micro_batch(model, r, world_size, step * accumulation + micro)) for r in range(world_size)]
             (torch.stack(losses).mean() / accumulation).backward()
+        for p in trainable:  # ZeRO steps whole flat groups: a parameter no rank used gets a zero gradient, not None
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
     return {name: p.detach().clone() for name, p in net.named_parameters()}
@@ -221,15 +224,19 @@ def test_safe_zero3_is_ddp_exact_on_an_optional_tower_listed_in_optional_modules
 
 
 @pytest.mark.parametrize("safe", [False, True])
-def test_zero3_module_order_that_changes_on_every_rank_alike_trains_as_on_stock(ranks, safe):
+def test_zero3_module_order_that_changes_on_every_rank_alike(ranks, safe):
     """Every rank drops the tower after the first step: DeepSpeed records its trace again, on every rank alike.
-    safe_zero's module-order agreement then runs again and finds the ranks agree; this rank only warns."""
+    safe_zero's module-order agreement runs again and finds the ranks agree (this rank only warns), and the
+    tower, used by no rank, takes zero gradients: DDP-exact. Stock trains on but not to the reference."""
     results = ranks.run(2, _train, model="tower-late", safe=safe, world_size=2, stage=3)
     expected = reference("tower-late", 2)
     for r in results:
-        assert max_error(r, expected) < TOLERANCE
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
         if safe:
+            assert max_error(r, expected) < TOLERANCE
             assert len(r["left_trace"]) == 1 and "`head`" in r["left_trace"][0], r["left_trace"]
+        else:
+            assert max_error(r, expected) > 1e-4
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
