@@ -34,23 +34,26 @@ class WithEmpty(nn.Module):
         return self.body(x) + sum(e(x).sum() for e in self.empties)
 
 
-def _config(stage: int) -> dict[str, Any]:
+def _config(stage: int, options: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "steps_per_print": 10**9,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            **({"safe_zero": options} if options else {})}
 
 
-def _engine(model: nn.Module, stage: int, safe: bool) -> Any:
+def _engine(model: nn.Module, stage: int, safe: bool | dict[str, Any]) -> Any:
+    """A stock (``False``) or safe_zero engine (``True``, or a dict: its ``"safe_zero"`` block)."""
     import deepspeed
 
     import safe_zero
 
-    init = safe_zero.initialize if safe else deepspeed.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=_config(stage))
+    init = safe_zero.initialize if safe is not False else deepspeed.initialize
+    options = safe if isinstance(safe, dict) else None
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=_config(stage, options))
     return engine
 
 
-def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tuple[bool, bool] = (False, True),
+def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tuple[Any, Any] = (False, True),
                         b_built_first: bool = False) -> list[tuple[float, float]]:
     """``(a, b)`` seconds of ``pairs`` training steps of ``Wide``, taken alternately on two engines.
 

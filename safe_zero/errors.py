@@ -44,6 +44,10 @@ class RankDivergenceError(SafeZeroError):
     gathers would no longer match."""
 
 
+class UnusedParameterError(SafeZeroError):
+    """``"find_unused_parameters": false`` and a trainable parameter got no gradient on this rank."""
+
+
 class ModuleOrderWarning(UserWarning):
     """Under ZeRO-3 a rank left the module order DeepSpeed recorded: fine if every rank did the same, a hang if not."""
 

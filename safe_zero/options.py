@@ -11,7 +11,8 @@ DeepSpeed ignores unknown top-level config keys, so the block travels inside the
         "alignment": "auto",
         "alignment_guard": true,
         "leaf_modules": {"add": ["MyMoEBlock"], "remove": []},
-        "optional_modules": ["vision_tower"]
+        "optional_modules": ["vision_tower"],
+        "find_unused_parameters": true
       }
     }
 """
@@ -55,6 +56,12 @@ class SafeZeroOptions:
             collectives as one that runs them, and their gradients are reduced with zeros from the
             ranks that skipped them. Costs their full size in memory on every rank; optimizer state
             stays partitioned. ZeRO-1/2 need nothing and ignore it.
+        find_unused_parameters: DDP's option of the same name, default ``true``: at every backward the ranks
+            agree, in one all-reduce of one byte per trainable parameter, which parameters each used, so a
+            parameter some rank did not use is reduced with a zero gradient from it. ``false`` promises
+            that every rank uses every trainable parameter in every backward (DDP's default): no
+            collective is added, and a rank that sees a parameter without a gradient raises
+            ``UnusedParameterError`` instead of training wrong.
     """
 
     fixes: Mapping[str, Setting] = field(default_factory=dict)
@@ -62,6 +69,7 @@ class SafeZeroOptions:
     alignment_guard: bool = True
     leaf_modules: Mapping[str, list[str]] = field(default_factory=dict)
     optional_modules: tuple[str, ...] = ()
+    find_unused_parameters: bool = True
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> "SafeZeroOptions":
@@ -73,7 +81,7 @@ class SafeZeroOptions:
             block = {}
         if not isinstance(block, Mapping):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}" must be an object, got {type(block).__name__}')
-        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules", "optional_modules"}
+        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules", "optional_modules", "find_unused_parameters"}
         unknown = set(block) - allowed
         if unknown:
             raise SafeZeroConfigError(f'unknown key(s) {sorted(unknown)} in "{CONFIG_KEY}"; allowed: {sorted(allowed)}')
@@ -99,8 +107,12 @@ class SafeZeroOptions:
         if not isinstance(optional, list) or not all(isinstance(name, str) for name in optional):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.optional_modules" must be a list of module names or class '
                                       f'names, got {optional!r}')
+        find_unused = block.get("find_unused_parameters", True)
+        if not isinstance(find_unused, bool):
+            raise SafeZeroConfigError(f'"{CONFIG_KEY}.find_unused_parameters" must be true or false, got {find_unused!r}')
         return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard,
-                   leaf_modules={k: list(v) for k, v in leaf_modules.items()}, optional_modules=tuple(optional))
+                   leaf_modules={k: list(v) for k, v in leaf_modules.items()}, optional_modules=tuple(optional),
+                   find_unused_parameters=find_unused)
 
 
 def _check_setting(where: str, value: Any) -> None:

@@ -58,7 +58,8 @@ from typing import Any, Iterable
 import torch
 from packaging.specifiers import SpecifierSet
 
-from safe_zero.errors import ModuleOrderWarning, RankDivergenceError, ReentrantCheckpointWarning
+from safe_zero.errors import (ModuleOrderWarning, RankDivergenceError, ReentrantCheckpointWarning,
+                              UnusedParameterError)
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
@@ -182,7 +183,25 @@ class _AgreesOnReducedParams:
         # its epilogue (an exception) must not decide this one. Reentrant phases re-enter from inside a hook.
         if torch._C._current_graph_task_id() == -1:
             self._safe_zero_agreement = None
+            self._safe_zero_fired = None
         super().enter_backward()
+
+    def _check_every_param_fired(self) -> None:
+        """``"find_unused_parameters": false``: DDP's default contract, checked on this rank at the epilogue
+        (before the optimizer step can apply a wrong update), without a collective."""
+        fired, self._safe_zero_fired = self.__dict__.get("_safe_zero_fired"), None
+        if fired is None:  # no reducing hook ran in this backward (accumulation without reduction, one rank)
+            return
+        missed = [p for _, group in self._reduced_params_by_group() for p in group if id(p) not in fired]
+        if missed:
+            names = getattr(self, "param_names", {}) or {}
+            shown = [names.get(p, f"parameter of shape {tuple(getattr(p, 'ds_shape', p.shape))}") for p in missed[:5]]
+            raise UnusedParameterError(
+                f"{len(missed)} trainable parameter(s) got no gradient in this backward on this rank ({shown}), but "
+                '"safe_zero": {"find_unused_parameters": false} promises that every rank uses every parameter, so '
+                "the ranks' gradient buckets no longer match. Remove that setting (the default, true, lets the ranks "
+                "agree on what each used, like DDP's find_unused_parameters=True), or freeze the parameters that are "
+                "never used.")
 
     def _warn_nested_backward(self) -> None:
         if not getattr(self, "_safe_zero_nested_warned", False):
@@ -198,6 +217,13 @@ class _AgreesOnReducedParams:
 
     def _reduce_agreed(self, param: torch.nn.Parameter, *args: Any) -> None:
         """The hook body under the agreement: queue until it is known, then reduce what every rank reached."""
+        if not session_for(self).options.find_unused_parameters:
+            fired = self.__dict__.get("_safe_zero_fired")
+            if fired is None:
+                fired = self._safe_zero_fired = set()
+            fired.add(id(param))
+            self._reduce_now(param, *args)
+            return
         agreement = self._agreement()
         if not agreement.known(wait=not self._agree_in_background):
             agreement.queued.append((param, args))
@@ -214,6 +240,8 @@ class _AgreesOnReducedParams:
 
     def _finish_agreement(self, held_in_order: Iterable[tuple[torch.nn.Parameter, tuple]]) -> None:
         """At the epilogue: reduce what is still queued, then the held parameters, in parameter order."""
+        if not session_for(self).options.find_unused_parameters:
+            self._check_every_param_fired()
         agreement, self._safe_zero_agreement = self._safe_zero_agreement, None
         if agreement is None:
             return

@@ -27,13 +27,15 @@ LR = 1e-2
 #: experts each rank's tokens are routed to: every expert is used somewhere, every rank misses two.
 ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank).
-MODELS = {"moe": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
+MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
           "tower": OptionalTower, "tower-late": OptionalTower}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
     """The inputs of ``rank`` at micro-step ``micro`` (the same on every run)."""
     seed = 1000 * micro + rank
+    if model == "moe-dense":  # every rank routes tokens to every expert
+        return expert_batch(ROUTES[1][0], seed)
     if model.startswith("moe"):
         return expert_batch(ROUTES[world_size][rank], seed)
     g = torch.Generator().manual_seed(seed)
@@ -251,3 +253,24 @@ def test_activation_checkpointing_is_ddp_exact(ranks, route, reentrant):
     for r in results:
         assert max_error(r, expected) < TOLERANCE
         assert bool(r["warned"]) == reentrant, r["warned"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_find_unused_parameters_false_trains_a_model_every_rank_uses_without_the_agreement(ranks, stage):
+    results = ranks.run(2, _train, model="moe-dense", safe=True, world_size=2, stage=stage,
+                        options={"find_unused_parameters": False})
+    expected = reference("moe-dense", 2)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_find_unused_parameters_false_refuses_a_parameter_some_rank_did_not_use(ranks, stage):
+    # ZeRO-3 gathers MoE blocks whole (leaf modules, zero-filled by DeepSpeed): its case is the listed tower.
+    model, options = ("tower", {"optional_modules": ["tower"]}) if stage == 3 else ("moe", {})
+    zero = {"overlap_comm": True} if stage == 1 else {}
+    # The check is local (no collective): the rank that missed the parameter raises; at ZeRO-3 the other one
+    # waits in its next gather until the pool gives up (a launcher ends the job when a rank exits).
+    with pytest.raises((RankFailure, TimeoutError), match="UnusedParameterError.*find_unused_parameters"):
+        ranks.run(2, _train, model=model, safe=True, world_size=2, stage=stage,
+                  options={"find_unused_parameters": False, **options}, timeout=20, **zero)
