@@ -4,9 +4,9 @@ import pytest
 from torch import nn
 
 from safe_zero.doctor import analyse_model
-from safe_zero.leaf_modules import moe_blocks
+from safe_zero.leaf_modules import moe_blocks, optional_modules
 from safe_zero.options import SafeZeroConfigError, SafeZeroOptions
-from tests.models import Control, ExpertMoE, build
+from tests.models import Control, ExpertMoE, OptionalTower, build
 
 
 def test_a_block_with_an_experts_module_list_is_detected_and_the_root_never_is():
@@ -40,3 +40,15 @@ def test_leaf_module_options_are_validated():
         SafeZeroOptions.from_config({"safe_zero": {"leaf_modules": {"add": "MyBlock"}}})
     with pytest.raises(SafeZeroConfigError, match="leaf_modules"):
         SafeZeroOptions.from_config({"safe_zero": {"leaf_modules": {"include": ["MyBlock"]}}})
+
+
+def test_optional_modules_are_found_by_name_or_class_outermost_first_and_a_typo_is_an_error():
+    model = build(OptionalTower)
+    assert list(optional_modules(model, ["tower"])) == ["tower"]
+    assert list(optional_modules(model, ["tower", "tower.0"])) == ["tower"], "the outer module covers its children"
+    assert list(optional_modules(model, ["Sequential"])) == ["tower"]
+    assert optional_modules(model, []) == {}
+    with pytest.raises(SafeZeroConfigError, match=r"\['towr'\] name no module"):
+        optional_modules(model, ["towr"])
+    with pytest.raises(SafeZeroConfigError, match="name no module below the model's root"):
+        optional_modules(model, ["OptionalTower"])

@@ -22,12 +22,22 @@ def test_a_full_block_is_read():
     assert options.alignment is True and options.alignment_guard is False
 
 
+def test_the_rank_options_are_read():
+    options = SafeZeroOptions.from_config({"safe_zero": {"optional_modules": ["vision_tower", "Adapter"],
+                                                         "find_unused_parameters": False}})
+    assert options.optional_modules == ("vision_tower", "Adapter") and options.find_unused_parameters is False
+    assert SafeZeroOptions().optional_modules == () and SafeZeroOptions().find_unused_parameters is True
+
+
 @pytest.mark.parametrize("block, message", [
     ({"fixs": {}}, r"unknown key\(s\) \['fixs'\]"),
     ({"fixes": {"no_such_fix": True}}, "unknown fix 'no_such_fix'.*known fixes"),
     ({"fixes": {"gradless_params": "yes"}}, 'must be "auto", true or false'),
     ({"alignment": "always"}, 'safe_zero.alignment" must be "auto", true or false'),
     ({"alignment_guard": "on"}, "alignment_guard"),
+    ({"optional_modules": "tower"}, "optional_modules\" must be a list"),
+    ({"optional_modules": [3]}, "optional_modules\" must be a list"),
+    ({"find_unused_parameters": "no"}, "find_unused_parameters\" must be true or false"),
     ([], "must be an object"),
 ])
 def test_malformed_blocks_are_rejected_with_what_to_write(block, message):
