@@ -31,7 +31,9 @@ order, on every rank, with a zero gradient where a rank has none -- also when no
 a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
 layout. On a model where every rank uses every parameter nothing is held back: the only cost is
 the agreement all-reduce (none at world size 1, and none on ZeRO-1 without ``overlap_comm``,
-whose single ordered pass only needs the zeros).
+whose single ordered pass only needs the zeros). ``"find_unused_parameters": false`` (DDP's default contract:
+every rank uses every parameter) drops the all-reduce and checks, locally at the epilogue, that every
+trainable parameter's hook fired (``UnusedParameterError`` if not).
 
 ZeRO-3 gathers parameters module by module, so a module that some ranks skip also desynchronises
 the gathers. MoE blocks whose experts are separate modules are therefore made ZeRO-3 leaf modules
