@@ -48,10 +48,6 @@ class UnusedParameterError(SafeZeroError):
     """``"find_unused_parameters": false`` and a trainable parameter got no gradient on this rank."""
 
 
-class ModuleOrderWarning(UserWarning):
-    """Under ZeRO-3 a rank left the module order DeepSpeed recorded: fine if every rank did the same, a hang if not."""
-
-
 class ReentrantCheckpointWarning(UserWarning):
     """Reentrant activation checkpointing at several ranks: checkpointed blocks' gradients wait for the epilogue."""
 

@@ -12,7 +12,8 @@ DeepSpeed ignores unknown top-level config keys, so the block travels inside the
         "alignment_guard": true,
         "leaf_modules": {"add": ["MyMoEBlock"], "remove": []},
         "optional_modules": ["vision_tower"],
-        "find_unused_parameters": true
+        "find_unused_parameters": true,
+        "module_order_timeout": 300
       }
     }
 """
@@ -62,6 +63,9 @@ class SafeZeroOptions:
             that every rank uses every trainable parameter in every backward (DDP's default): no
             collective is added, and a rank that sees a parameter without a gradient raises
             ``UnusedParameterError`` instead of training wrong.
+        module_order_timeout: ZeRO-3: seconds a rank that left DeepSpeed's recorded module order waits for
+            every other rank to leave it at the same point (a change of order on every rank alike) before it
+            raises ``RankDivergenceError`` (another rank ran a module it skipped) instead of hanging.
     """
 
     fixes: Mapping[str, Setting] = field(default_factory=dict)
@@ -70,6 +74,7 @@ class SafeZeroOptions:
     leaf_modules: Mapping[str, list[str]] = field(default_factory=dict)
     optional_modules: tuple[str, ...] = ()
     find_unused_parameters: bool = True
+    module_order_timeout: float = 300.0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> "SafeZeroOptions":
@@ -81,7 +86,8 @@ class SafeZeroOptions:
             block = {}
         if not isinstance(block, Mapping):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}" must be an object, got {type(block).__name__}')
-        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules", "optional_modules", "find_unused_parameters"}
+        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules", "optional_modules", "find_unused_parameters",
+                   "module_order_timeout"}
         unknown = set(block) - allowed
         if unknown:
             raise SafeZeroConfigError(f'unknown key(s) {sorted(unknown)} in "{CONFIG_KEY}"; allowed: {sorted(allowed)}')
@@ -110,9 +116,13 @@ class SafeZeroOptions:
         find_unused = block.get("find_unused_parameters", True)
         if not isinstance(find_unused, bool):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.find_unused_parameters" must be true or false, got {find_unused!r}')
+        timeout = block.get("module_order_timeout", 300.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise SafeZeroConfigError(f'"{CONFIG_KEY}.module_order_timeout" must be a number of seconds > 0, '
+                                      f"got {timeout!r}")
         return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard,
                    leaf_modules={k: list(v) for k, v in leaf_modules.items()}, optional_modules=tuple(optional),
-                   find_unused_parameters=find_unused)
+                   find_unused_parameters=find_unused, module_order_timeout=float(timeout))
 
 
 def _check_setting(where: str, value: Any) -> None:

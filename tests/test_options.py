@@ -38,6 +38,8 @@ def test_the_rank_options_are_read():
     ({"optional_modules": "tower"}, "optional_modules\" must be a list"),
     ({"optional_modules": [3]}, "optional_modules\" must be a list"),
     ({"find_unused_parameters": "no"}, "find_unused_parameters\" must be true or false"),
+    ({"module_order_timeout": 0}, "module_order_timeout\" must be a number of seconds"),
+    ({"module_order_timeout": "5"}, "module_order_timeout\" must be a number of seconds"),
     ([], "must be an object"),
 ])
 def test_malformed_blocks_are_rejected_with_what_to_write(block, message):

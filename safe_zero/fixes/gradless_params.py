@@ -54,14 +54,15 @@ momentum). Decoupled weight decay still applies, as to any parameter in its grou
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import warnings
 from typing import Any, Iterable
 
 import torch
 from packaging.specifiers import SpecifierSet
 
-from safe_zero.errors import (ModuleOrderWarning, RankDivergenceError, ReentrantCheckpointWarning,
-                              UnusedParameterError)
+from safe_zero.errors import RankDivergenceError, ReentrantCheckpointWarning, UnusedParameterError
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
@@ -402,6 +403,17 @@ class KeepsOptionalModulesGathered:
         session.engaged(FIX, f"optional module(s) {', '.join(optional)} kept gathered on every rank under ZeRO-3")
 
 
+def _skippable_candidates(names: list[str]) -> list[str]:
+    """The children of the modules' deepest common ancestor on their paths: one of them is what some ranks skip."""
+    distinct = list(dict.fromkeys(names))
+    common = distinct[0].split(".")
+    for name in distinct[1:]:
+        parts = name.split(".")
+        common = common[:next((k for k, (a, b) in enumerate(zip(common, parts)) if a != b),
+                              min(len(common), len(parts)))]
+    return list(dict.fromkeys(".".join(name.split(".")[:len(common) + 1]) for name in distinct))
+
+
 class AgreesOnModulesWhileRecording:
     """Mixin for ``PartitionedParameterCoordinator``: optional modules out of the trace, and one module order.
 
@@ -410,20 +422,40 @@ class AgreesOnModulesWhileRecording:
     - While DeepSpeed records the trace, the ranks all-gather the id of each module with non-empty parameters
       before its gather (one 8-byte element per rank per module, in recording forwards only) and raise the same
       ``RankDivergenceError`` on every rank when they differ. Once the trace is complete, prefetching follows
-      it and nothing is added. A rank that then leaves the trace only warns (``ModuleOrderWarning``): whether the
-      other ranks left it too is not something it can ask without a collective they might not make.
+      it and nothing is added.
+    - A rank that then leaves the recorded order cannot ask the others with a collective they might not make.
+      It posts the module it entered to the process group's store and waits up to ``"module_order_timeout"``
+      seconds for every rank to post at the same point: all did, with the same module, and training goes on
+      (DeepSpeed records the order again); otherwise it raises ``RankDivergenceError`` naming the module the
+      others ran, instead of hanging in its next gather.
     """
 
     _safe_zero_names: dict[int, str] = {}
     _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
     _safe_zero_kept_params: list[torch.nn.Parameter] = []
+    #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
+    _safe_zero_built = itertools.count()
+
+    @overrides
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._safe_zero_engine_id = next(AgreesOnModulesWhileRecording._safe_zero_built)
+        self._safe_zero_forwards = 0  # forwards begun (reset_step), the same count on every rank
+        self._safe_zero_position = 0  # modules entered in this forward and backward, as DeepSpeed's trace counts
+        self._safe_zero_recorded: list[int] = []  # the module ids of the trace being or last recorded
+        self._safe_zero_recording: list[int] = []
 
     def _kept(self, module: torch.nn.Module) -> bool:
         return id(module) in self._safe_zero_kept_modules
 
     @overrides
     def reset_step(self) -> None:
+        if self.is_record_trace() and self._safe_zero_recording:
+            self._safe_zero_recorded = self._safe_zero_recording
         super().reset_step()
+        self._safe_zero_recording = []
+        self._safe_zero_forwards += 1
+        self._safe_zero_position = 0
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         released = [p for p in self._safe_zero_kept_params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
@@ -436,25 +468,47 @@ class AgreesOnModulesWhileRecording:
             return
         complete = self.is_complete_trace()
         super().trace_prologue(sub_module)
+        position = self._safe_zero_position
+        self._safe_zero_position += 1
         if complete and self.is_invalid_trace() and session_for(self).uses(FIX):
-            self._warn_left_trace(sub_module)
+            self._agree_on_leaving_the_trace(sub_module, position)
 
-    def _warn_left_trace(self, module: torch.nn.Module) -> None:
-        # Only this rank knows; a collective here would hang where the other ranks did not leave the trace.
+    def _agree_on_leaving_the_trace(self, module: torch.nn.Module, position: int) -> None:
+        import torch.distributed as dist
+
+        store_of = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if not dist.is_initialized() or dist.get_world_size() < 2 or store_of is None:
+            return
+        store, rank, world = store_of(), dist.get_rank(), dist.get_world_size()
+        prefix = f"safe_zero/module_order/{self._safe_zero_engine_id}/{self._safe_zero_forwards}/{position}/"
+        store.set(f"{prefix}{rank}", str(module.ds_id))
+        timeout = session_for(self).options.module_order_timeout
+        try:
+            store.wait([f"{prefix}{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
+        except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
+            expected = self._safe_zero_recorded[position] if position < len(self._safe_zero_recorded) else None
+            raise RankDivergenceError(self._left_alone_message(module, expected, timeout)) from None
+        ids = [int(store.get(f"{prefix}{r}")) for r in range(world)]
+        if len(set(ids)) > 1:
+            raise RankDivergenceError(self._divergence_message(ids))
+
+    def _left_alone_message(self, module: torch.nn.Module, expected: int | None, timeout: float) -> str:
         name = self._safe_zero_names.get(module.ds_id, type(module).__name__)
-        warned = self.__dict__.setdefault("_safe_zero_left_trace", set())
-        if name not in warned:
-            warned.add(name)
-            warnings.warn(f"ZeRO-3: this rank entered `{name}` where DeepSpeed's recorded module order has another "
-                          "module. Fine if every rank did the same (DeepSpeed records the order again); if other ranks "
-                          "ran a module this rank skipped, the ranks' gathers no longer match and the job hangs: list "
-                          'that module in the DeepSpeed config, "safe_zero": {"optional_modules": [...]}.',
-                          ModuleOrderWarning, stacklevel=2)
+        other = self._safe_zero_names.get(expected, f"module #{expected}") if expected is not None else None
+        ran = f"`{other}`, which" if other else "the module that"
+        candidates = _skippable_candidates([name] + ([other] if other else []))
+        return (f"under ZeRO-3 this rank entered `{name}` where DeepSpeed's recorded module order has {ran} the other "
+                f"ranks are running now: no other rank left the order within {timeout:g} s, so their parameter "
+                "gathers no longer match this rank's (stock DeepSpeed hangs here). If the model skips a module for "
+                "some inputs (an optional tower, a conditional adapter), list it in the DeepSpeed config: "
+                f'"safe_zero": {{"optional_modules": ["{candidates[-1]}"]}} (one of {candidates}); its parameters '
+                'then stay gathered on every rank. ("safe_zero": {"module_order_timeout": seconds} sets the wait.)')
 
     @overrides
     def record_module(self, sub_module: torch.nn.Module) -> None:
         if not self._kept(sub_module):
             super().record_module(sub_module)
+            self._safe_zero_recording.append(sub_module.ds_id)
 
     @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
@@ -490,14 +544,7 @@ class AgreesOnModulesWhileRecording:
     def _divergence_message(self, ids: list[int]) -> str:
         names = [self._safe_zero_names.get(i, f"module #{i}") for i in ids]
         ran = ", ".join(f"rank {rank} `{name}`" for rank, name in enumerate(names))
-        distinct = list(dict.fromkeys(names))
-        common = distinct[0].split(".")
-        for name in distinct[1:]:
-            parts = name.split(".")
-            common = common[:next((k for k, (a, b) in enumerate(zip(common, parts)) if a != b),
-                                  min(len(common), len(parts)))]
-        # The children of the deepest common ancestor: one of them is what some ranks skip.
-        candidates = list(dict.fromkeys(".".join(name.split(".")[:len(common) + 1]) for name in distinct))
+        candidates = _skippable_candidates(names)
         return (f"under ZeRO-3 the ranks entered different modules at the same point of the forward ({ran}), so "
                 "their parameter gathers would no longer match (stock DeepSpeed hangs here, or stops a step later "
                 "with 'Detected a disagreement on list contents'). If the model skips a module for some inputs (an "

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from safe_zero._compat import DEEPSPEED_VERSION
-from safe_zero.errors import ModuleOrderWarning, ReentrantCheckpointWarning
+from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
 from tests.models import (CheckpointedMoE, ExpertMoE, NonReentrantCheckpointedMoE, OptionalTower, build,
                           expert_batch)
@@ -26,9 +26,10 @@ TOLERANCE = 1e-5
 LR = 1e-2
 #: experts each rank's tokens are routed to: every expert is used somewhere, every rank misses two.
 ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
-#: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank).
+#: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank);
+#: ``tower-skip-later``: every rank carries one in the first step, then rank 1 never again.
 MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
-          "tower": OptionalTower, "tower-late": OptionalTower}
+          "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -40,7 +41,12 @@ def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
         return expert_batch(ROUTES[world_size][rank], seed)
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
-    carries = micro == 0 if model == "tower-late" else rank % 2 == 0  # odd ranks carry no image
+    if model == "tower-late":
+        carries = micro == 0
+    elif model == "tower-skip-later":
+        carries = micro == 0 or rank != 1
+    else:
+        carries = rank % 2 == 0  # odd ranks carry no image
     image = torch.randn(2, 4, generator=g) if carries else None
     return x, y, image
 
@@ -72,7 +78,6 @@ def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: in
                       config=config(stage, world_size, accumulation, options, **zero))
     losses = []
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ModuleOrderWarning)
         warnings.simplefilter("always", ReentrantCheckpointWarning)
         for step in range(STEPS):
             for micro in range(accumulation):
@@ -84,9 +89,8 @@ def _train(model: str, stage: int, safe: bool, world_size: int, accumulation: in
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         state = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     report = dict(getattr(engine, "safe_zero_session", None).report) if safe else {}
-    left_trace = [str(w.message) for w in caught if issubclass(w.category, ModuleOrderWarning)]
     warned = [str(w.message) for w in caught if issubclass(w.category, ReentrantCheckpointWarning)]
-    return {"params": state, "losses": losses, "report": report, "left_trace": left_trace, "warned": warned}
+    return {"params": state, "losses": losses, "report": report, "warned": warned}
 
 
 def _cpu_skips_uncontiguous_all_reduce() -> bool:
@@ -228,17 +232,26 @@ def test_safe_zero3_is_ddp_exact_on_an_optional_tower_listed_in_optional_modules
 @pytest.mark.parametrize("safe", [False, True])
 def test_zero3_module_order_that_changes_on_every_rank_alike(ranks, safe):
     """Every rank drops the tower after the first step: DeepSpeed records its trace again, on every rank alike.
-    safe_zero's module-order agreement runs again and finds the ranks agree (this rank only warns), and the
-    tower, used by no rank, takes zero gradients: DDP-exact. Stock trains on but not to the reference."""
+    safe_zero's ranks find through the store that all left the order at the same module and go on; the tower,
+    used by no rank, takes zero gradients: DDP-exact. Stock trains on but not to the reference."""
     results = ranks.run(2, _train, model="tower-late", safe=safe, world_size=2, stage=3)
     expected = reference("tower-late", 2)
     for r in results:
         assert all(torch.isfinite(torch.tensor(r["losses"])))
         if safe:
             assert max_error(r, expected) < TOLERANCE
-            assert len(r["left_trace"]) == 1 and "`head`" in r["left_trace"][0], r["left_trace"]
         else:
             assert max_error(r, expected) > 1e-4
+
+
+def test_zero3_a_rank_that_skips_a_module_after_the_first_step_stops_instead_of_hanging(ranks):
+    """The trace recorded the tower on every rank; from step 2 rank 1 skips it. Rank 1 waits the configured
+    time for another rank to leave the order too, then raises naming the tower; rank 0 is left in its gather
+    (a launcher ends the job when rank 1 exits; the pool here gives up after its timeout)."""
+    expected = r'rank 1: RankDivergenceError: .*entered `head` where .* has `tower`.*"optional_modules": \["tower"\]'
+    with pytest.raises(TimeoutError, match=expected):
+        ranks.run(2, _train, model="tower-skip-later", safe=True, world_size=2, stage=3,
+                  options={"module_order_timeout": 3}, timeout=15)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
