@@ -349,7 +349,8 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
         if not session_for(self).uses(FIX):
             super().reduce_ready_partitions_and_remove_grads(param, *args)
-        elif _data_parallel_world(self) > 1 and not getattr(self, "_coalesce_grad_reduction", False):
+        elif _data_parallel_world(self) > 1 and not getattr(self, "_coalesce_grad_reduction", False) \
+                and torch._C._current_graph_task_id() != -1:  # DeepSpeed's coalesced flush runs outside backward
             # Leaf-module parameters are never held, but queue with the rest so the order stays the same everywhere.
             self._reduce_agreed(param, *args)
         else:
