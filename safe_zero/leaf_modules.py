@@ -36,6 +36,11 @@ def _matches(module: nn.Module, classes: Iterable[str]) -> bool:
     return any(_names(klass) & wanted for klass in type(module).__mro__)
 
 
+def _inside(name: str, found: Iterable[str]) -> bool:
+    """Whether module ``name`` lies inside one of the modules already ``found`` (the outer one covers it)."""
+    return any(name.startswith(f"{outer}.") for outer in found)
+
+
 def moe_blocks(model: nn.Module, add: Iterable[str] = (), remove: Iterable[str] = ()) -> dict[str, nn.Module]:
     """The modules of ``model`` to gather whole under ZeRO-3, by qualified name.
 
@@ -46,7 +51,7 @@ def moe_blocks(model: nn.Module, add: Iterable[str] = (), remove: Iterable[str] 
     found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         # The root stays a container: DeepSpeed's ZeRO-3 hooks on the whole model are not a leaf's.
-        if not name or any(name.startswith(f"{outer}.") for outer in found):
+        if not name or _inside(name, found):
             continue
         detected = isinstance(getattr(module, "experts", None), nn.ModuleList) or _matches(module, add)
         if detected and not _matches(module, remove):
@@ -70,7 +75,7 @@ def optional_modules(model: nn.Module, entries: Iterable[str]) -> dict[str, nn.M
         if not name or not hits:
             continue
         matched |= hits
-        if not any(name.startswith(f"{outer}.") for outer in found):
+        if not _inside(name, found):
             found[name] = module
     missing = [e for e in entries if e not in matched]
     if missing:

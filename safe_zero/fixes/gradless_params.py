@@ -154,6 +154,8 @@ class _AgreesOnReducedParams:
     """
 
     _safe_zero_agreement: Agreement | None = None
+    #: ``"find_unused_parameters": false``: ids of the parameters whose hook fired in this backward.
+    _safe_zero_fired: set[int] | None = None
     #: Whether hooks may queue while the agreement is in flight. Only where the bucket reductions are the only
     #: collectives of a backward (ZeRO-1/2); ZeRO-3 also gathers parameters during backward, and a queue would
     #: move its reductions past those gathers on some ranks only.
@@ -192,7 +194,7 @@ class _AgreesOnReducedParams:
     def _check_every_param_fired(self) -> None:
         """``"find_unused_parameters": false``: DDP's default contract, checked on this rank at the epilogue
         (before the optimizer step can apply a wrong update), without a collective."""
-        fired, self._safe_zero_fired = self.__dict__.get("_safe_zero_fired"), None
+        fired, self._safe_zero_fired = self._safe_zero_fired, None
         if fired is None:  # no reducing hook ran in this backward (accumulation without reduction, one rank)
             return
         missed = [p for _, group in self._reduced_params_by_group() for p in group if id(p) not in fired]
@@ -220,11 +222,15 @@ class _AgreesOnReducedParams:
 
     def _reduce_agreed(self, param: torch.nn.Parameter, *args: Any) -> None:
         """The hook body under the agreement: queue until it is known, then reduce what every rank reached."""
+        if torch._C._current_graph_task_id() == -1:
+            # No backward is running (DeepSpeed's coalesce_grad_reduction flushes from its context's exit): there
+            # is no graph to ask, and DeepSpeed calls in parameter order on every rank anyway.
+            self._reduce_now(param, *args)
+            return
         if not session_for(self).options.find_unused_parameters:
-            fired = self.__dict__.get("_safe_zero_fired")
-            if fired is None:
-                fired = self._safe_zero_fired = set()
-            fired.add(id(param))
+            if self._safe_zero_fired is None:
+                self._safe_zero_fired = set()
+            self._safe_zero_fired.add(id(param))
             self._reduce_now(param, *args)
             return
         agreement = self._agreement()
@@ -349,8 +355,7 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
         if not session_for(self).uses(FIX):
             super().reduce_ready_partitions_and_remove_grads(param, *args)
-        elif _data_parallel_world(self) > 1 and not getattr(self, "_coalesce_grad_reduction", False) \
-                and torch._C._current_graph_task_id() != -1:  # DeepSpeed's coalesced flush runs outside backward
+        elif _data_parallel_world(self) > 1 and not getattr(self, "_coalesce_grad_reduction", False):
             # Leaf-module parameters are never held, but queue with the rest so the order stays the same everywhere.
             self._reduce_agreed(param, *args)
         else:
