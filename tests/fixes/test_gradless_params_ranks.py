@@ -326,9 +326,15 @@ def _optional_tower_round_trip(directory: str) -> dict:
     return {"losses": losses, "resumed": resumed_losses, "params": params(first), "resumed_params": params(resumed)}
 
 
-@pytest.mark.skip(reason="a pool worker died once in a fresh-clone CI run (not yet diagnosed); passes alone on both legs")
 def test_optional_modules_survive_a_checkpoint_round_trip_and_an_emptied_cache(ranks, tmp_path):
-    results = ranks.run(2, _optional_tower_round_trip, directory=str(tmp_path))
+    try:
+        results = ranks.run(2, _optional_tower_round_trip, directory=str(tmp_path / "first"))
+    except RuntimeError as error:
+        # Once, in a fresh-clone CI run, a worker of the shared 2-rank pool died here without output (not
+        # reproduced alone or with this file). One retry on a fresh pool; a real failure fails both times.
+        if "pool died" not in str(error):
+            raise
+        results = ranks.run(2, _optional_tower_round_trip, directory=str(tmp_path / "second"))
     for r in results:
         assert r["resumed"] == r["losses"]
         assert all(torch.equal(r["params"][n], r["resumed_params"][n]) for n in r["params"])
