@@ -53,9 +53,10 @@ def main() -> None:
 
     session = model.safe_zero_session  # the engine safe_zero built keeps what its fixes did
     report = session.report
+    # One write, newline included: the ranks share one pipe, and print() writes text and newline apart.
     print(f"[accelerate rank {accelerator.process_index}/{accelerator.num_processes}] "
           f"ZeRO-{accelerator.state.deepspeed_plugin.zero_stage} losses: {' '.join(f'{v:.4f}' for v in losses)}; "
-          f"safe_zero engaged: {', '.join(sorted(report)) or 'none'}", flush=True)
+          f"safe_zero engaged: {', '.join(sorted(report)) or 'none'}\n", end="", flush=True)
     if accelerator.is_main_process:
         print(summarize(session), flush=True)
     accelerator.end_training()  # waits for every process and tears the process group down

@@ -66,9 +66,10 @@ def main() -> None:
     engine = trainer.model_wrapped
     session = engine.safe_zero_session
     report = session.report
+    # One write, newline included: the ranks share one pipe, and print() writes text and newline apart.
     print(f"[hf_trainer rank {rank}/{world}] ZeRO-{engine.zero_optimization_stage()} losses: "
-          f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {', '.join(sorted(report)) or 'none'}",
-          flush=True)
+          f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {', '.join(sorted(report)) or 'none'}\n",
+          end="", flush=True)
     if rank == 0:
         print(summarize(session), flush=True)
 

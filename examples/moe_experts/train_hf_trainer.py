@@ -66,9 +66,10 @@ def main() -> None:
     engine = trainer.model_wrapped
     report = engine.safe_zero_session.report
     rank = training_args.process_index
+    # One write, newline included: the ranks share one pipe, and print() writes text and newline apart.
     print(f"[moe_experts rank {rank}/{world}] ZeRO-{engine.zero_optimization_stage()} losses: "
-          f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {', '.join(sorted(report)) or 'none'}",
-          flush=True)
+          f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {', '.join(sorted(report)) or 'none'}\n",
+          end="", flush=True)
     if rank == 0:
         for name, what in report.items():
             print(f"  {name}: {'; '.join(sorted(set(what)))}", flush=True)
