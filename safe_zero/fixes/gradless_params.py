@@ -33,7 +33,10 @@ layout. On a model where every rank uses every parameter nothing is held back: t
 the agreement all-reduce (none at world size 1, and none on ZeRO-1 without ``overlap_comm``,
 whose single ordered pass only needs the zeros). ``"find_unused_parameters": false`` (DDP's default contract:
 every rank uses every parameter) drops the all-reduce and checks, locally at the epilogue, that every
-trainable parameter's hook fired (``UnusedParameterError`` if not).
+trainable parameter's hook fired (``UnusedParameterError`` if not). Inside DeepSpeed's ``coalesce_grad_reduction``
+(0.19.x) the hooks do not reduce; the flush at the block's exit does, for the parameters that have a gradient on
+that rank. There every trainable parameter without one gets a zero gradient at the end of each backward, so every
+rank flushes the same parameters, without a collective.
 
 ZeRO-3 gathers parameters module by module, so a module that some ranks skip also desynchronises
 the gathers. MoE blocks whose experts are separate modules are therefore made ZeRO-3 leaf modules
@@ -220,6 +223,23 @@ class _AgreesOnReducedParams:
             session_for(self).engaged(FIX, "reentrant activation checkpointing: checkpointed blocks' gradients "
                                            "reduced at the end of the backward")
 
+    def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    @overrides
+    def backward_epilogue(self, *args: Any, **kwargs: Any) -> None:
+        # Inside DeepSpeed's coalesce_grad_reduction the hooks only accumulate, and the flush at the block's exit
+        # reduces the parameters that have a gradient on this rank, in parameter order (0.19.8 engine.py:3300-3336,
+        # _flush_coalesced_reduction_zero12/_zero3): a parameter only some ranks used would shift every later one in
+        # the buckets. A zero gradient on every other parameter makes every rank's flush reduce the same ones; no
+        # collective is needed, so this holds with "find_unused_parameters": false too.
+        if getattr(self, "_coalesce_grad_reduction", False) and session_for(self).uses(FIX) \
+                and _data_parallel_world(self) > 1:
+            for param in self._trainable_params():
+                if param.grad is None:
+                    self._zero_fill(param, "was not used on this rank")
+        super().backward_epilogue(*args, **kwargs)
+
     def _reduce_agreed(self, param: torch.nn.Parameter, *args: Any) -> None:
         """The hook body under the agreement: queue until it is known, then reduce what every rank reached."""
         if torch._C._current_graph_task_id() == -1:
@@ -286,6 +306,9 @@ class ReduceInOneOrderStage12(_AgreesOnReducedParams):
                 p for p in group if p.requires_grad)
         return list(by_group.values())
 
+    def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
+        return (p for group in self.bit16_groups for p in group if p.requires_grad)
+
     def _reduces_in_hooks(self) -> bool:
         # The conditions of stock process_gradients / reduce_ready_partitions_and_remove_grads: else the hooks
         # only accumulate (or DeepSpeed's coalesce_grad_reduction defers them itself).
@@ -339,6 +362,10 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
 
         params = [p for group in self.fp16_groups for p in group if p.requires_grad and not z3_leaf_parameter(p)]
         return [(self.dp_process_group, params)]
+
+    def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
+        # Leaf-module parameters too: a leaf module some rank never entered has no gradient there either.
+        return (p for group in self.fp16_groups for p in group if p.requires_grad)
 
     def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
         from deepspeed.accelerator import get_accelerator

@@ -340,33 +340,70 @@ def test_optional_modules_survive_a_checkpoint_round_trip_and_an_emptied_cache(r
         assert all(torch.equal(r["params"][n], r["resumed_params"][n]) for n in r["params"])
 
 
-def _train_coalesced(stage: int) -> dict:
-    """``_train``'s loop on a model every rank uses, inside DeepSpeed's ``coalesce_grad_reduction`` (its flush
-    calls the reduce hooks after the backward, outside any graph task)."""
+CHUNKS = 2
+
+
+def _train_coalesced(model: str, stage: int, safe: bool = True, options: dict | None = None, **zero) -> dict:
+    """``_train``'s steps inside DeepSpeed's ``coalesce_grad_reduction``: ``CHUNKS`` backwards per block (each
+    loss divided by ``CHUNKS``, so a step is the reference's accumulated step), one flush at the block's exit that
+    calls the reduce hooks outside any graph task, then one optimizer step."""
     import deepspeed
     import torch.distributed as dist
 
     import safe_zero
 
     rank = dist.get_rank()
-    net = build(ExpertMoE)
-    engine, *_ = safe_zero.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                      config=config(stage, 2))
+    net = build(MODELS[model])
+    init = safe_zero.initialize if safe else deepspeed.initialize
+    engine, *_ = init(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+                      config=config(stage, 2, safe_zero=options, **zero))
+    losses = []
     for step in range(STEPS):
         with engine.coalesce_grad_reduction():
-            engine.backward(engine(*micro_batch("moe-dense", rank, 2, step)))
+            for chunk in range(CHUNKS):
+                loss = engine(*micro_batch(model, rank, 2, step * CHUNKS + chunk))
+                engine.set_gradient_accumulation_boundary(chunk == CHUNKS - 1)
+                engine.backward(loss / CHUNKS)
+                losses.append(loss.item())
         engine.step()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
-        return {"params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+        return {"params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+                "losses": losses}
 
 
-@pytest.mark.skipif(not hasattr(__import__("deepspeed").DeepSpeedEngine, "coalesce_grad_reduction"),
-                    reason="this DeepSpeed has no coalesce_grad_reduction")
+needs_coalesce = pytest.mark.skipif(not hasattr(__import__("deepspeed").DeepSpeedEngine, "coalesce_grad_reduction"),
+                                    reason="this DeepSpeed has no coalesce_grad_reduction")
+
+
+@needs_coalesce
 @pytest.mark.parametrize("stage", [2, 3])
 def test_coalesced_grad_reduction_flush_is_ddp_exact(ranks, stage):
     # Before the fix the ZeRO-3 flush asked autograd for reachability outside a backward and raised
     # "_get_should_execute_nodes should only be called during the backward pass" (DeepSpeed's own coalesce tests).
-    results = ranks.run(2, _train_coalesced, stage=stage)
-    expected = reference("moe-dense", 2)
+    results = ranks.run(2, _train_coalesced, model="moe-dense", stage=stage)
+    expected = reference("moe-dense", 2, accumulation=CHUNKS)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
+@needs_coalesce
+@pytest.mark.parametrize("route", ["stage1", "stage2", "stage2-overlap"])
+def test_stock_coalesced_flush_trains_rank_dependent_experts_silently_wrong(ranks, route):
+    # The flush reduces only the parameters with a gradient on each rank, in parameter order: rank 0's experts
+    # 0-1 meet rank 1's experts 2-3 at the same bucket offsets.
+    results = ranks.run(2, _train_coalesced, model="moe", safe=False, **ZERO12_ROUTES[route])
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results), "stock runs without an error"
+    assert max_error(results[0], reference("moe", 2, accumulation=CHUNKS)) > 1e-3
+
+
+@needs_coalesce
+@pytest.mark.parametrize("model,route", [("moe", "stage1"), ("moe", "stage1-overlap"), ("moe", "stage2"),
+                                         ("moe", "stage2-overlap"), ("tower", "stage2"), ("moe", "stage3"),
+                                         ("tower", "stage3")])
+def test_safe_coalesced_flush_is_ddp_exact_on_rank_dependent_parameters(ranks, model, route):
+    zero = ZERO12_ROUTES[route] if route != "stage3" else {"stage": 3}
+    options = {"optional_modules": ["tower"]} if model == "tower" and route == "stage3" else None
+    results = ranks.run(2, _train_coalesced, model=model, options=options, **zero)
+    expected = reference(model, 2, accumulation=CHUNKS)
     for r in results:
         assert max_error(r, expected) < TOLERANCE
