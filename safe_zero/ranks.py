@@ -111,8 +111,13 @@ class DistPool:
                 rank, jid, outcome = self._results.get(timeout=1.0)
             except queue.Empty:
                 if not self.alive():
+                    # The exit codes say how (a negative one is the signal, e.g. -11 a segfault, -6 an abort); a
+                    # rank that finished may have raised first.
+                    codes = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+                    errors = "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
                     self.close()
-                    raise RuntimeError(f"a worker of the {self.world_size}-rank pool died during job {job_id}")
+                    raise RuntimeError(f"a worker of the {self.world_size}-rank pool died during job {job_id} "
+                                       f"(exit codes by rank: {codes}){errors}")
                 if time.monotonic() > deadline:
                     self.close()
                     # A rank that raised while another waits in a collective: its error is the one to see.

@@ -20,6 +20,17 @@ def _raise_on_rank_one():
     return "fine"
 
 
+def _die_on_rank_one():
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 waits for the dead rank: only the pool's liveness check ends the job
+
+
 def test_two_ranks_share_a_gloo_group(ranks):
     assert ranks.run(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
 
@@ -27,6 +38,12 @@ def test_two_ranks_share_a_gloo_group(ranks):
 def test_a_failing_rank_is_reported_with_its_error(ranks):
     with pytest.raises(RankFailure, match="rank 1: ValueError: boom on rank 1"):
         ranks.run(2, _raise_on_rank_one)
+
+
+def test_a_dying_rank_is_reported_with_its_exit_code(ranks):
+    with pytest.raises(RuntimeError, match=r"pool died during job \d+ \(exit codes by rank: \{.*1: -9"):
+        ranks.run(2, _die_on_rank_one)
+    assert ranks.run(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)], "the next job gets a fresh pool"
 
 
 def test_closing_a_pool_releases_the_shm_workspaces_deepspeed_leaves():

@@ -288,9 +288,13 @@ class _AgreesOnReducedParams:
 
 
 def _data_parallel_world(wrapper: Any) -> int:
-    from deepspeed import comm as dist
+    # Asked per parameter per step; the group is fixed for the optimizer's life.
+    world = getattr(wrapper, "_safe_zero_dp_world", None)
+    if world is None:
+        from deepspeed import comm as dist
 
-    return dist.get_world_size(group=wrapper.dp_process_group)
+        world = wrapper._safe_zero_dp_world = dist.get_world_size(group=wrapper.dp_process_group)
+    return world
 
 
 class ReduceInOneOrderStage12(_AgreesOnReducedParams):
