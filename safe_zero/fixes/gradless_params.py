@@ -107,6 +107,7 @@ class Agreement:
 
         self.graph_task = graph_task
         self.queued: list[tuple[torch.nn.Parameter, tuple]] = []
+        self.arrived: list[torch.nn.Parameter] = []  # every reducing hook's parameter, in the order they fired
         self._held: set[int] | None = None
         self._pending = []
         for group, params in params_by_group:
@@ -136,6 +137,36 @@ class Agreement:
         return id(param) in self.held
 
 
+class ReductionOrder:
+    """The one order in which every rank hands DeepSpeed its trainable parameters, per data-parallel group.
+
+    Where the bucket reductions are a backward's only collectives (ZeRO-1/2), only their sequence must match
+    across ranks, not their timing. So the first reducing backward runs under an ``Agreement``, and at its
+    epilogue the ranks take rank 0's hook order (the parameters it did not reach after it, in parameter
+    order), broadcast once. From then on each rank walks that order alone (``_Walk``): a parameter goes to
+    DeepSpeed once its hook has fired, or at once with a zero gradient where this rank's backward will not
+    reach it, and never ahead of the parameters before it. A rank whose hooks fire in rank 0's order (every
+    rank uses every parameter) hands each one over as it fires, as stock does: no collective per step.
+    """
+
+    def __init__(self, sequences: list[list[torch.nn.Parameter]], args: dict[int, tuple]) -> None:
+        self.sequences = sequences
+        self.args = args  # the hook arguments DeepSpeed registered for each parameter (its group index)
+        self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
+        # Held, so each stays the accumulator autograd uses (it lives only while something references it).
+        self.nodes = {id(p): _node(p) for sequence in sequences for p in sequence}
+
+
+class _Walk:
+    """One backward's progress along a ``ReductionOrder``."""
+
+    def __init__(self, order: ReductionOrder, graph_task: int) -> None:
+        self.order = order
+        self.graph_task = graph_task
+        self.next = [0] * len(order.sequences)  # per sequence: the first parameter not yet handed over
+        self.fired: dict[int, tuple] = {}  # parameters whose hook fired, waiting for the ones before them
+
+
 def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any,
                   why: str = "had no gradient") -> None:
     """Give ``param`` a zero gradient of its full ``shape`` (also when ZeRO-3 has already released its data)."""
@@ -159,10 +190,15 @@ class _AgreesOnReducedParams:
     _safe_zero_agreement: Agreement | None = None
     #: ``"find_unused_parameters": false``: ids of the parameters whose hook fired in this backward.
     _safe_zero_fired: set[int] | None = None
-    #: Whether hooks may queue while the agreement is in flight. Only where the bucket reductions are the only
-    #: collectives of a backward (ZeRO-1/2); ZeRO-3 also gathers parameters during backward, and a queue would
-    #: move its reductions past those gathers on some ranks only.
-    _agree_in_background: bool = False
+    #: Whether the bucket reductions are a backward's only collectives (ZeRO-1/2). Then hooks may queue while
+    #: the agreement is in flight, and after the first backward one agreed ``ReductionOrder`` replaces it.
+    #: ZeRO-3 also gathers parameters during backward: a queue, or a zero gradient handed over early, would move
+    #: its reductions past those gathers on some ranks only.
+    _bucket_reductions_only: bool = False
+    _safe_zero_order: ReductionOrder | None = None
+    _safe_zero_walk: _Walk | None = None
+    #: A backward ran nested autograd tasks (reentrant checkpointing): the outer graph does not show what it reaches.
+    _safe_zero_nested: bool = False
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
         raise NotImplementedError
@@ -191,6 +227,7 @@ class _AgreesOnReducedParams:
         # its epilogue (an exception) must not decide this one. Reentrant phases re-enter from inside a hook.
         if torch._C._current_graph_task_id() == -1:
             self._safe_zero_agreement = None
+            self._safe_zero_walk = None
             self._safe_zero_fired = None
         super().enter_backward()
 
@@ -212,6 +249,8 @@ class _AgreesOnReducedParams:
                 "never used.")
 
     def _warn_nested_backward(self) -> None:
+        # From the next backward on, agree again: the outer graph no longer shows which parameters a rank reaches.
+        self._safe_zero_nested, self._safe_zero_order = True, None
         if not getattr(self, "_safe_zero_nested_warned", False):
             self._safe_zero_nested_warned = True
             warnings.warn("reentrant activation checkpointing (use_reentrant=True) at more than one data-parallel "
@@ -253,8 +292,12 @@ class _AgreesOnReducedParams:
             self._safe_zero_fired.add(id(param))
             self._reduce_now(param, *args)
             return
+        if self._safe_zero_order is not None:
+            self._reduce_in_order(param, *args)
+            return
         agreement = self._agreement()
-        if not agreement.known(wait=not self._agree_in_background):
+        agreement.arrived.append(param)
+        if not agreement.known(wait=not self._bucket_reductions_only):
             agreement.queued.append((param, args))
             return
         self._drain(agreement)
@@ -271,9 +314,15 @@ class _AgreesOnReducedParams:
         """At the epilogue: reduce what is still queued, then the held parameters, in parameter order."""
         if not session_for(self).options.find_unused_parameters:
             self._check_every_param_fired()
+        walk, self._safe_zero_walk = self._safe_zero_walk, None
+        if walk is not None:
+            for sequence in range(len(walk.order.sequences)):
+                self._hand_over(walk, sequence, finish=True)
+            return
         agreement, self._safe_zero_agreement = self._safe_zero_agreement, None
         if agreement is None:
             return
+        held_in_order = list(held_in_order)
         agreement.known(wait=True)
         self._drain(agreement)
         if agreement.held and not getattr(self, "_safe_zero_held_reported", False):
@@ -285,6 +334,67 @@ class _AgreesOnReducedParams:
                 if param.grad is None:
                     self._zero_fill(param, "was not used on this rank")
                 self._reduce_now(param, *args)
+        if self._bucket_reductions_only and not self._safe_zero_nested:
+            self._safe_zero_order = self._agree_on_order(agreement.arrived, dict((id(p), a) for p, a in held_in_order))
+
+    def _agree_on_order(self, arrived: list[torch.nn.Parameter], args: dict[int, tuple]) -> ReductionOrder:
+        """Rank 0's hook order of this backward, the parameters it did not reach after it: one broadcast per group."""
+        from deepspeed import comm as dist
+        from deepspeed.accelerator import get_accelerator
+
+        sequences = []
+        for group, params in self._reduced_params_by_group():
+            if not params:
+                continue
+            index = {id(p): k for k, p in enumerate(params)}
+            mine = list(dict.fromkeys(index[id(p)] for p in arrived if id(p) in index))
+            mine += sorted(set(range(len(params))) - set(mine))
+            order = torch.tensor(mine, dtype=torch.int64, device=get_accelerator().current_device_name())
+            dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+            sequences.append([params[k] for k in order.tolist()])
+        return ReductionOrder(sequences, args)
+
+    def _reduce_in_order(self, param: torch.nn.Parameter, *args: Any) -> None:
+        """The hook body once the order is agreed: hand over, in that order, what is ready (no collective)."""
+        task = torch._C._current_graph_task_id()
+        walk = self._safe_zero_walk
+        if walk is None:
+            walk = self._safe_zero_walk = _Walk(self._safe_zero_order, task)
+        elif walk.graph_task != task:
+            # A nested backward (reentrant checkpointing) reaches parameters the outer graph did not show, some of
+            # which may already have been handed over as zeros. Every rank runs the same checkpointed blocks, so
+            # every rank stops here, before the update; the next backwards agree again instead of walking.
+            self._warn_nested_backward()
+            raise RankDivergenceError(
+                "a nested backward (reentrant activation checkpointing, use_reentrant=True) began after the first "
+                "step: its gradients may already have been reduced as zeros, so this step's update would be wrong. "
+                "Enable reentrant checkpointing before the first step (safe_zero then reduces such gradients at the "
+                "end of each backward), or use non-reentrant checkpointing (use_reentrant=False, e.g. "
+                'gradient_checkpointing_kwargs={"use_reentrant": False}).')
+        slot = walk.order.slot.get(id(param))
+        if slot is None:  # made trainable after the order was agreed: nothing to keep in step with
+            self._reduce_now(param, *args)
+            return
+        walk.fired[id(param)] = args
+        self._hand_over(walk, slot[0])
+
+    def _hand_over(self, walk: _Walk, sequence: int, finish: bool = False) -> None:
+        """Reduce the parameters of ``sequence`` from its first one not yet handed over, while each is ready:
+        fired, or not reached by this rank's backward (at the epilogue: every one left)."""
+        params, k = walk.order.sequences[sequence], walk.next[sequence]
+        while k < len(params):
+            param = params[k]
+            args = walk.fired.pop(id(param), None)
+            if args is None:
+                node = walk.order.nodes[id(param)]
+                if not finish and node is not None and torch._C._will_engine_execute_node(node):
+                    break
+                args = walk.order.args[id(param)]
+                if param.grad is None:
+                    self._zero_fill(param, "was not used on this rank")
+            self._reduce_now(param, *args)
+            k += 1
+        walk.next[sequence] = k
 
 
 def _data_parallel_world(wrapper: Any) -> int:
@@ -300,7 +410,7 @@ def _data_parallel_world(wrapper: Any) -> int:
 class ReduceInOneOrderStage12(_AgreesOnReducedParams):
     """Mixin for ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, every reduction route)."""
 
-    _agree_in_background = True
+    _bucket_reductions_only = True
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
         by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}

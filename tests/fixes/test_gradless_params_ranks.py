@@ -17,8 +17,8 @@ import torch
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import (CheckpointedMoE, ExpertMoE, NonReentrantCheckpointedMoE, OptionalTower, build,
-                          expert_batch)
+from tests.models import (CheckpointedMoE, ExpertMoE, LateCheckpointedMoE, NonReentrantCheckpointedMoE, OptionalTower,
+                          build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -28,7 +28,9 @@ LR = 1e-2
 ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank);
 #: ``tower-skip-later``: every rank carries one in the first step, then rank 1 never again.
-MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
+#: ``moe-shuffled``: each step every rank's experts move one on, so hooks fire in other orders than in the first step.
+MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
+          "moe-checkpointed-late": LateCheckpointedMoE,
           "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower}
 
 
@@ -37,6 +39,8 @@ def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
     seed = 1000 * micro + rank
     if model == "moe-dense":  # every rank routes tokens to every expert
         return expert_batch(ROUTES[1][0], seed)
+    if model == "moe-shuffled":
+        return expert_batch([(e + micro) % 4 for e in ROUTES[world_size][rank]], seed)
     if model.startswith("moe"):
         return expert_batch(ROUTES[world_size][rank], seed)
     g = torch.Generator().manual_seed(seed)
@@ -159,6 +163,18 @@ def test_safe_zero12_is_ddp_exact_on_an_moe_with_rank_dependent_experts(ranks, r
     assert "gradless_params" in results[0]["report"]
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("route", ["stage1-overlap", "stage2", "stage2-overlap", "stage2-round-robin"])
+def test_safe_zero12_is_ddp_exact_when_the_ranks_use_other_parameters_every_step(ranks, route, world_size):
+    """After the first step the ranks walk one agreed reduction order without a collective: hooks that fire in
+    another order than rank 0's first-step order wait their turn, unused parameters go as zeros in theirs."""
+    results = ranks.run(world_size, _train, model="moe-shuffled", safe=True, world_size=world_size,
+                        **ZERO12_ROUTES[route])
+    expected = reference("moe-shuffled", world_size)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
 @pytest.mark.parametrize("stage,overlap", [(1, False), (1, True), (2, False), (2, True)])
 def test_safe_zero12_is_ddp_exact_with_gradient_accumulation(ranks, stage, overlap):
     results = ranks.run(2, _train, model="moe", safe=True, world_size=2, accumulation=2, stage=stage,
@@ -266,6 +282,13 @@ def test_activation_checkpointing_is_ddp_exact(ranks, route, reentrant):
     for r in results:
         assert max_error(r, expected) < TOLERANCE
         assert bool(r["warned"]) == reentrant, r["warned"]
+
+
+def test_reentrant_checkpointing_turned_on_after_the_first_step_stops_with_what_to_do(ranks):
+    """The agreed order is walked without a collective, trusting the outer graph for what a rank reaches; a nested
+    backward that begins later reaches parameters already reduced as zeros, and the step stops before its update."""
+    with pytest.raises(RankFailure, match="nested backward.*use_reentrant=False"):
+        ranks.run(2, _train, model="moe-checkpointed-late", safe=True, world_size=2, stage=2)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
