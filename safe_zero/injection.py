@@ -107,10 +107,16 @@ def injected(session: Session, bindings: tuple[Binding, ...] = BINDINGS) -> Iter
 
 
 def check_precision(config: Mapping[str, Any] | None) -> None:
-    """fp16 on DeepSpeed's CPU accelerator fails deep inside initialize; say what to use instead."""
+    """fp16 on a CPU DeepSpeed runs no fp16 on fails deep inside initialize; say what to use instead.
+
+    DeepSpeed's own test decides (``is_fp16_supported``: the CPU accelerator reports fp16 where oneDNN has fp16
+    kernels), so safe_zero refuses exactly where stock DeepSpeed would.
+    """
     from deepspeed.accelerator import get_accelerator
 
-    if config and (config.get("fp16") or {}).get("enabled") and get_accelerator().device_name() == "cpu":
+    accelerator = get_accelerator()
+    if config and (config.get("fp16") or {}).get("enabled") and accelerator.device_name() == "cpu" \
+            and not accelerator.is_fp16_supported():
         raise UnsupportedPrecisionError(
             'fp16 is not supported by DeepSpeed\'s CPU accelerator. Use bf16 instead: replace "fp16" with '
             '"bf16": {"enabled": true} in the DeepSpeed config (Lightning: precision="bf16-mixed").')

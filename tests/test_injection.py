@@ -218,11 +218,19 @@ def test_deepcompile_is_refused_for_an_moe_whose_blocks_zero3_must_gather_whole(
     assert not z3_leaf_module(model.moe), "a refused initialize leaves the model as it was"
 
 
-def test_fp16_on_the_cpu_accelerator_gets_an_actionable_error():
-    import safe_zero
+def test_fp16_on_a_cpu_without_fp16_gets_an_actionable_error(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
 
+    import safe_zero
+    from safe_zero.injection import check_precision
+
+    accelerator = get_accelerator()
+    monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: False)
     with pytest.raises(safe_zero.UnsupportedPrecisionError, match='"bf16": {"enabled": true}'):
         safe_zero.initialize(model=Control(), config=ds_config(2, dtype="fp16"))
+    # Where DeepSpeed's CPU accelerator runs fp16 (oneDNN fp16 kernels), so does safe_zero: never worse than stock.
+    monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: True)
+    check_precision(ds_config(2, dtype="fp16"))
 
 
 def test_a_drifted_deepspeed_binding_is_named_in_the_error():

@@ -243,8 +243,22 @@ def fabric_fits(strategy: str, devices: int, tmp: str) -> dict[str, Any]:
 
 
 
+@contextlib.contextmanager
+def cpu_without_fp16() -> Iterator[None]:
+    """DeepSpeed's CPU accelerator as on a CPU without oneDNN fp16 kernels (it reports fp16 where they exist)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: False
+    try:
+        yield
+    finally:
+        del accelerator.is_fp16_supported
+
+
 def trainer_precision(precision: str, fp16_config: bool = False) -> dict[str, Any]:
-    """Two steps at ``precision`` (optionally with an explicit fp16 block); what ran and what was warned."""
+    """Two steps at ``precision`` (optionally with an explicit fp16 block) on a CPU without fp16; what ran and
+    what was warned."""
     import warnings
 
     from safe_zero.lightning import PrecisionFallbackWarning, SafeDeepSpeedStrategy
@@ -255,7 +269,7 @@ def trainer_precision(precision: str, fp16_config: bool = False) -> dict[str, An
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, cpu_without_fp16():
         warnings.simplefilter("always")
         trainer.fit(model, data(1))
     engine = trainer.strategy.model
@@ -270,13 +284,13 @@ def trainer_precision(precision: str, fp16_config: bool = False) -> dict[str, An
 
 
 def fabric_precision(precision: str) -> dict[str, Any]:
-    """Fabric: one step at ``precision``; what ran and what was warned."""
+    """Fabric: one step at ``precision`` on a CPU without fp16; what ran and what was warned."""
     import warnings
 
     from safe_zero.lightning import PrecisionFallbackWarning
 
     fabric = Fabric(accelerator="cpu", devices=1, strategy="safe_deepspeed_stage_2", precision=precision)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, cpu_without_fp16():
         warnings.simplefilter("always")
         fabric.launch()
         torch.manual_seed(0)
