@@ -132,16 +132,17 @@ def main() -> int:
     def listed(c: dict) -> str:
         return ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if k != "all_reduce_bytes")
 
+    why = {"zero2": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, and the broadcast "
+                    "of rank 0's reduction order, 8 B per trainable parameter)",
+           "zero3": "(gradless_params' agreement: 1 byte per trainable parameter; in the first step also one all_gather "
+                    "of 8 B per rank per module with parameters, the ranks agreeing on the module order)"}
     for stage, per_step in results["collectives_per_step"].items():
-        counts = {which: steps[-1] for which, steps in per_step.items()}
-        extra = counts["safe_zero"].get("all_reduce_bytes", 0) - counts["stock"].get("all_reduce_bytes", 0)
-        lines.append(f"| collectives per {stage} step, control model (every rank uses every parameter) | "
-                     f"{listed(counts['stock'])} | {listed(counts['safe_zero'])} | +{extra} B all-reduced "
-                     "(gradless_params' agreement: 1 byte per trainable parameter) | one small all-reduce |")
-    first = {which: steps[0] for which, steps in results["collectives_per_step"]["zero3"].items()}
-    lines.append(f"| collectives in the first zero3 step (DeepSpeed records its module trace) | {listed(first['stock'])} "
-                 f"| {listed(first['safe_zero'])} | + one all_gather of 8 B per rank per module with parameters "
-                 "(the ranks agree on the module order before each gather) | first step only |")
+        for label, step in (("first", 0), ("later", -1)):
+            counts = {which: steps[step] for which, steps in per_step.items()}
+            extra = counts["safe_zero"].get("all_reduce_bytes", 0) - counts["stock"].get("all_reduce_bytes", 0)
+            lines.append(f"| collectives in the {label} {stage} step, control model (every rank uses every parameter) "
+                         f"| {listed(counts['stock'])} | {listed(counts['safe_zero'])} | +{extra} B all-reduced "
+                         f"{why[stage]} | {'none' if stage == 'zero2' and label == 'later' else 'one small all-reduce'} |")
     lines.append(f"| `import safe_zero` after `import deepspeed` | | | {results['import_safe_zero_ms']:.1f} ms | <= 50 ms |")
     for row in results["alignment_padding"] or []:
         lines.append(f"| alignment padding, {row['layout']} | | | {row['bytes']} B "

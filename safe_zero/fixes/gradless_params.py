@@ -29,9 +29,16 @@ before it lands wait in a queue, in arrival order. Parameters every rank reaches
 unchanged, in the order their hooks fired. The others are held back and reduced at the backward's epilogue, in parameter
 order, on every rank, with a zero gradient where a rank has none -- also when no rank has one, like
 a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
-layout. On a model where every rank uses every parameter nothing is held back: the only cost is
-the agreement all-reduce (none at world size 1, and none on ZeRO-1 without ``overlap_comm``,
-whose single ordered pass only needs the zeros). ``"find_unused_parameters": false`` (DDP's default contract:
+layout. On ZeRO-1/2 the bucket reductions are a backward's only collectives, so only their sequence
+has to match, not their timing: the agreement runs in the first reducing backward only, whose epilogue
+broadcasts rank 0's hook order once (``ReductionOrder``). From then on each rank walks that order without
+any collective: a parameter goes to DeepSpeed once its hook has fired, or at once with a zero gradient
+where the running backward will not reach it, and never ahead of those before it. On a model where every
+rank uses every parameter the hooks fire in that order, so each is handed over as it fires, as stock does,
+and nothing is added per step; ZeRO-3 keeps the per-backward agreement (none at world size 1, and none on
+ZeRO-1 without ``overlap_comm``, whose single ordered pass only needs the zeros). Reentrant activation
+checkpointing runs nested backwards the outer graph does not show: seen in the first backward, the
+agreement stays; begun later, every rank stops before the update with what to do. ``"find_unused_parameters": false`` (DDP's default contract:
 every rank uses every parameter) drops the all-reduce and checks, locally at the epilogue, that every
 trainable parameter's hook fired (``UnusedParameterError`` if not). Inside DeepSpeed's ``coalesce_grad_reduction``
 (0.19.x) the hooks do not reduce; the flush at the block's exit does, for the parameters that have a gradient on

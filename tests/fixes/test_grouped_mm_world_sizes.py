@@ -137,15 +137,16 @@ def _zero3_sweep(layouts: list[str], paths: list[str], ckpt: str) -> dict:
 
 
 # --- ZeRO-3 at world sizes 1-4 (issue 15) --------------------------------------------------------------------------
-# CI runs the issue's DeepSeek-V3 on the fetch path at every world size and the all-reduce fetch at 3 ranks;
-# SAFE_ZERO_FULL_SWEEP=1 runs all four Transformers layouts on both paths at every world size (minutes per rank count).
+# CI runs the issue's DeepSeek-V3 on the fetch path at 1-3 ranks (3: partitions that are not whole 16-byte units)
+# and the all-reduce fetch at 3 ranks; SAFE_ZERO_FULL_SWEEP=1 runs all four Transformers layouts on both paths at
+# 1-4 ranks (minutes per rank count; 4 ranks on a 2-core CI box alone took a minute).
 FULL = os.environ.get("SAFE_ZERO_FULL_SWEEP") == "1"
+WORLD_SIZES = [1, 2, 3, 4] if FULL else [1, 2, 3]
 ZERO3_CELLS = {ws: [(layout, path) for layout in ("deepseek_v3", "gpt_oss", "qwen3_moe", "olmoe")
-                    for path in ZERO3_PATHS] for ws in (1, 2, 3, 4)} if FULL else {
+                    for path in ZERO3_PATHS] for ws in WORLD_SIZES} if FULL else {
     1: [("deepseek_v3", "fetch")],
     2: [("deepseek_v3", "fetch")],
     3: [("deepseek_v3", "fetch"), ("deepseek_v3", "all_reduce")],
-    4: [("deepseek_v3", "fetch")],
 }
 
 # Where stock's all-reduce fetch hands grouped_mm a misaligned weight (measured on 0.19.8; every all-gather path of
@@ -164,7 +165,7 @@ def _zero3_cells(cells: list[tuple[str, str]], ckpt: str) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero3_hands_grouped_mm_aligned_operands_at_every_world_size(ranks, tmp_path, world_size):
     pytest.importorskip("transformers")
     from safe_zero._compat import DEEPSPEED_VERSION, UNPADDED_ALL_REDUCE_FETCH
@@ -236,7 +237,7 @@ if FULL:
                                                       for route in ("stage1", "stage2", "bf16_optimizer"))})
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_whenever_stock_trains_safe_zero_trains_aligned(ranks, world_size):
     import importlib.util
 
