@@ -421,8 +421,8 @@ class AlignRoundRobinGroups(AlignFlatGroups):
                     continue  # not per element (Adam's step): the same in any layout
 
                 def state_of(s: dict, r: int, key: str = key) -> torch.Tensor:
-                    held = s[BASE_OPTIMIZER_STATE]["state"][i][key] if rigid else s[BASE_OPTIMIZER_STATE][i][key]
-                    return held.reshape(-1)[:saved[r]["lean"][i]]
+                    value = s[BASE_OPTIMIZER_STATE]["state"][i][key] if rigid else s[BASE_OPTIMIZER_STATE][i][key]
+                    return value.reshape(-1)[:saved[r]["lean"][i]]
 
                 laid = moved(state_of)
                 for r, s in enumerate(out):
@@ -451,9 +451,9 @@ class AlignRoundRobinGroups(AlignFlatGroups):
             # DeepSpeed maps the slices in the group's order, which is the flat order unless round_robin_gradients
             # reshuffled it: stock's reshuffle is recomputed; an older safe_zero one was not recorded by name.
             order = [n for n in sorted(fragments, key=lambda n: min(o for o, _ in fragments[n])) if sizes[n]]
-            if self.round_robin_gradients and len(saved) > 1:
-                if recorded is not None:
-                    return None
+            if self.round_robin_gradients and recorded is not None:
+                return None
+            if self.round_robin_gradients and len(saved) > 1:  # one rank: stock's reshuffle keeps the order
                 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
                 order = DeepSpeedZeroOptimizer._round_robin_reorder(self, order, len(saved))[0]
