@@ -16,7 +16,10 @@ arithmetic changes. Adam and SGD act element-wise, so the losses are bit-identic
 order. DeepSpeed records the flattened order itself (``bf16_groups``, ``round_robin_bit16_groups``,
 ``fp16_groups``): checkpoints and ``zero_to_fp32`` follow it, and the order is a pure function of the
 model, so a resumed run loads its own checkpoint. A checkpoint written in the other order (stock's,
-or safe_zero's under stock) is laid out again on load by ``RecordsFlatOrder``, exactly; stock
+or safe_zero's under stock) is laid out again on load, exactly: by ``RecordsFlatOrder`` (BF16_Optimizer,
+fused stage 0, ZeRO-3 at one rank), and on ZeRO-1/2 by ``AlignRoundRobinGroups``, which moves every
+parameter by name (each rank's ``param_slice_mappings``, or the names safe_zero records in flat order)
+at the same world size; what cannot be mapped so is refused with the universal-checkpoint command. Stock
 DeepSpeed knows nothing of the order, so a reordered safe_zero checkpoint moves to stock through a
 universal checkpoint (``ds_to_universal``, which maps every parameter by name). On ZeRO-1/2 with
 ``parameter_alignment`` (which safe_zero turns on) ``LoadsUnpaddedCheckpoints`` lets DeepSpeed's own
@@ -116,6 +119,8 @@ def _wants(plan: AlignmentPlan, session: Any, params: list[torch.Tensor]) -> boo
 
 
 ORDER_KEY = "safe_zero_flat_order"
+# ZeRO-1/2: per group, the parameter names in flat-buffer order.
+FLAT_NAMES_KEY = "safe_zero_flat_names"
 
 # Where each wrapper keeps its flat fp32 master copy and its optimizer state in a checkpoint. BF16_Optimizer saves
 # each rank's partition of the flat group; ZeRO-3 (reordered at one rank only) and the fused FP16_Optimizer the whole.
@@ -146,6 +151,16 @@ def _relayout(full: torch.Tensor, numels: dict[int, int], src: list[int], dst: l
     return torch.cat([pieces[original] for original in dst] + [full[offset:]])
 
 
+def _unmappable(recorded: Any, mine: Any, why: str) -> AlignmentError:
+    return AlignmentError(
+        "this checkpoint's flat buffers were written in another parameter order than this run's "
+        f"({'safe_zero' if recorded else 'stock'} order, this run: {'safe_zero' if mine else 'stock'} order) and "
+        f"safe_zero cannot map them here ({why}); its fp32 master weights and optimizer state would land on the "
+        "wrong parameters. Convert it to a universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal "
+        "--input_folder CKPT/TAG --output_folder CKPT/TAG_universal --inject_missing_state) and load that with "
+        '"checkpoint": {"load_universal": true}, which maps every parameter by name.')
+
+
 class RecordsFlatOrder:
     """Checkpoints carry the flat order; one written in another order (stock's, say) is laid out again on load.
 
@@ -155,7 +170,7 @@ class RecordsFlatOrder:
     the flat group's shape are permuted back, exactly; what cannot be mapped that way is refused.
     """
 
-    #: Whether this wrapper's checkpoint layout is one ``_laid_out_again`` knows (ZeRO-1/2's is not).
+    #: Whether ``load_state_dict`` lays a checkpoint out again (ZeRO-1/2 does it in ``_load_legacy_checkpoint``).
     _SAFE_ZERO_RELAYOUT = True
 
     def _record_flat_order(self, group: int, order: list[int]) -> None:
@@ -186,7 +201,7 @@ class RecordsFlatOrder:
         # DeepSpeed reads each rank's own file in full and leaves the other ranks' entries empty.
         at = next((k for k, state in enumerate(states) if isinstance(state, dict)
                    and any(keys[0] in state for keys in _FLAT_STATE_KEYS)), None)
-        if at is not None and not self._same_order(states[at].get(ORDER_KEY)):
+        if at is not None and self._SAFE_ZERO_RELAYOUT and not self._same_order(states[at].get(ORDER_KEY)):
             states[at] = self._laid_out_again(states[at], len(states))
             converted = states if listed else states[0]
             if name:
@@ -213,16 +228,9 @@ class RecordsFlatOrder:
         partitioned = keys[0] == "single_partition_of_fp32_groups"
         ranks = _ranks(getattr(self, "partition_count", 1)) if partitioned else 1
         one_sub_group_each = getattr(self, "_safe_zero_param_groups_seen", len(groups)) == len(groups)  # ZeRO-3
-        if not self._SAFE_ZERO_RELAYOUT or theirs is None or not one_sub_group_each or saving_ranks != ranks \
-                or len(state[keys[0]]) != len(groups):
-            raise AlignmentError(
-                "this checkpoint's flat buffers were written in another parameter order than this run's "
-                f"({'safe_zero' if state.get(ORDER_KEY) else 'stock'} order, this run: "
-                f"{'safe_zero' if self._flat_order() else 'stock'} order) and safe_zero cannot map them here (another "
-                "world size, or a layout it does not know); its fp32 master weights and optimizer state would land on "
-                "the wrong parameters. Convert it to a universal checkpoint (python -m deepspeed.checkpoint."
-                "ds_to_universal --input_folder CKPT/TAG --output_folder CKPT/TAG_universal --inject_missing_state) "
-                'and load that with "checkpoint": {"load_universal": true}, which maps every parameter by name.')
+        if theirs is None or not one_sub_group_each or saving_ranks != ranks or len(state[keys[0]]) != len(groups):
+            raise _unmappable(state.get(ORDER_KEY), self._flat_order(),
+                              "another world size, or a layout it does not know")
         flat_key, optim_key = keys
         state = dict(state)
         for i, params in enumerate(groups):
@@ -294,9 +302,168 @@ class AlignFlatGroups(RecordsFlatOrder):
 
 
 class AlignRoundRobinGroups(AlignFlatGroups):
-    """Mixin for ``DeepSpeedZeroOptimizer``: ``round_robin_gradients`` reshuffles after the group order; re-apply it."""
+    """Mixin for ``DeepSpeedZeroOptimizer``: ``round_robin_gradients`` reshuffles after the group order; re-apply it.
 
-    _SAFE_ZERO_RELAYOUT = False  # partitions saved without padding, round-robin order: not mapped here
+    A checkpoint in another flat layout (stock's order, or another safe_zero order) is laid out again by name in
+    ``_load_legacy_checkpoint``: each rank saved its partition without the tail padding plus where each parameter's
+    fragment sits in it (``param_slice_mappings``), so the ranks rebuild each group's whole flat fp32 copy and
+    optimizer state, move every parameter to where this run's flat buffer holds it, and cut this run's partitions.
+    """
+
+    _SAFE_ZERO_RELAYOUT = False  # _load_legacy_checkpoint sees every saved rank's state; done there
+
+    @overrides
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        state = super().state_dict(*args, **kwargs)
+        if isinstance(state, dict):
+            # Under round_robin_gradients DeepSpeed's slice mappings follow the group order, not the flat buffer's.
+            state[FLAT_NAMES_KEY] = self._flat_names()
+        return state
+
+    def _flat_names(self) -> list[list[str]]:
+        return [[self.param_names[p] for p in group] for group in self.round_robin_bit16_groups]
+
+    @overrides
+    def _load_legacy_checkpoint(self, state_dict_list: list[dict], *args: Any, **kwargs: Any) -> Any:
+        from deepspeed import comm as dist
+
+        own = state_dict_list[dist.get_rank(group=self.dp_process_group)]
+        names = own.get(FLAT_NAMES_KEY)
+        if not (names == self._flat_names() if names is not None else self._same_order(own.get(ORDER_KEY))):
+            state_dict_list = self._zero12_laid_out_again(list(state_dict_list))
+        return super()._load_legacy_checkpoint(state_dict_list, *args, **kwargs)
+
+    def _zero12_laid_out_again(self, states: list[Any]) -> list[Any]:
+        """``states`` (one per saved rank; rigid checkpoints: only this rank's loaded) in this run's flat layout."""
+        from deepspeed import comm as dist
+        from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, GROUP_PADDINGS, PARAM_SLICE_MAPPINGS,
+                                                    SINGLE_PARTITION_OF_FP32_GROUPS)
+
+        group = self.dp_process_group
+        me, ranks = dist.get_rank(group=group), dist.get_world_size(group=group)
+        own = states[me]
+        recorded = own.get(ORDER_KEY)
+        everyone = all(isinstance(s, dict) and SINGLE_PARTITION_OF_FP32_GROUPS in s for s in states)
+        groups = len(self.round_robin_bit16_groups)
+        # Decided alike on every rank (nothing rank-specific yet), so the ranks refuse or gather together.
+        if len(states) != ranks:
+            raise _unmappable(recorded, self._flat_order(), f"saved at {len(states)} ranks, loaded at {ranks}")
+        if len(own[SINGLE_PARTITION_OF_FP32_GROUPS]) != groups or any(map(self.is_moe_group,
+                                                                          self.optimizer.param_groups)):
+            raise _unmappable(recorded, self._flat_order(), "other parameter groups, or expert-parallel groups")
+        if any(any(paddings) for paddings in own.get("param_alignment_paddings") or []):  # PARAM_ALIGNMENT_PADDINGS
+            # Padding between parameters (DeepSpeed >= 0.19.7 parameter_alignment): not a permutation of them.
+            raise _unmappable(recorded, self._flat_order(), "it pads between parameters (parameter_alignment)")
+
+        def lean(state: dict) -> dict:  # what this layout needs of a rank's state, small enough to gather
+            return {"maps": [[(n, a.start, a.numel) for n, a in m.items()] for m in state[PARAM_SLICE_MAPPINGS]],
+                    "lean": [t.numel() for t in state[SINGLE_PARTITION_OF_FP32_GROUPS]],
+                    "pad": list(state[GROUP_PADDINGS])}
+
+        if everyone:
+            saved = [lean(s) for s in states]
+        else:
+            saved = [None] * ranks
+            dist.all_gather_object(saved, lean(own), group=group)
+        numel = {self.param_names[p]: p.numel() for params in self.round_robin_bit16_groups for p in params}
+        mine = self._flat_names()
+        rigid = isinstance(own[BASE_OPTIMIZER_STATE], dict)
+        out = [dict(s) if isinstance(s, dict) else s for s in states]
+        for r, s in enumerate(out):
+            if isinstance(s, dict):
+                s[SINGLE_PARTITION_OF_FP32_GROUPS] = list(s[SINGLE_PARTITION_OF_FP32_GROUPS])
+                s[GROUP_PADDINGS] = list(s[GROUP_PADDINGS])
+                base = s[BASE_OPTIMIZER_STATE]
+                s[BASE_OPTIMIZER_STATE] = ({**base, "state": {k: dict(v) for k, v in base["state"].items()}}
+                                           if rigid else [dict(g) for g in base])
+        for i in range(groups):
+            width = saved[0]["lean"][i] + saved[0]["pad"][i]  # a saved partition, padding included
+            src = self._saved_flat_offsets(i, saved, width, own.get(FLAT_NAMES_KEY), recorded, numel)
+            held = [n for n in mine[i] if numel[n]]  # zero-element parameters carry no data
+            if src is None or sorted(n for n in src if numel[n]) != sorted(held):
+                raise _unmappable(recorded, self._flat_order(),
+                                  f"parameter group {i} does not hold the same parameters by name and size")
+            total = sum(numel[n] for n in mine[i])
+            alignment = self.nccl_start_alignment_factor * ranks
+            part = _round_up(total, alignment) // ranks
+            if not getattr(self, "parameter_alignment", False) and part != self.partition_size[i]:
+                raise _unmappable(recorded, self._flat_order(), f"parameter group {i} is partitioned otherwise")
+            tail = part * ranks - total  # DeepSpeed pads the last rank's partition only
+
+            def moved(rank_lean: Callable[[dict, int], torch.Tensor]) -> list[torch.Tensor]:
+                """Every rank's partition in this run's layout (padded) from each saved rank's lean partition."""
+                if everyone:
+                    full = torch.cat([rank_lean(s, r) for r, s in enumerate(states)])
+                else:
+                    mine_lean = rank_lean(own, me)
+                    padded = torch.zeros(width, dtype=mine_lean.dtype, device=_comm_device())
+                    padded[:mine_lean.numel()] = mine_lean
+                    parts = [torch.empty_like(padded) for _ in range(ranks)]
+                    dist.all_gather(parts, padded, group=group)
+                    full = torch.cat(parts).to(mine_lean.device)
+                pieces = [full.narrow(0, src[n], numel[n]) for n in held]
+                flat = torch.cat(pieces + [full.new_zeros(tail)])
+                return list(flat.split(part))
+
+            def pad_of(r: int) -> int:
+                return tail if r == ranks - 1 else 0
+
+            fp32 = moved(lambda s, r: s[SINGLE_PARTITION_OF_FP32_GROUPS][i].reshape(-1)[:saved[r]["lean"][i]])
+            for r, s in enumerate(out):
+                if isinstance(s, dict):
+                    s[SINGLE_PARTITION_OF_FP32_GROUPS][i] = fp32[r][:part - pad_of(r)].clone()
+                    s[GROUP_PADDINGS][i] = pad_of(r)
+            # Rigid: the torch optimizer's state_dict of the padded partitions; elastic: per group, lean states.
+            optim = own[BASE_OPTIMIZER_STATE]["state"].get(i, {}) if rigid else own[BASE_OPTIMIZER_STATE][i]
+            for key, value in sorted(optim.items()):
+                if not (torch.is_tensor(value) and value.dim() > 0
+                        and value.numel() == (width if rigid else saved[me]["lean"][i])):
+                    continue  # not per element (Adam's step): the same in any layout
+
+                def state_of(s: dict, r: int, key: str = key) -> torch.Tensor:
+                    value = s[BASE_OPTIMIZER_STATE]["state"][i][key] if rigid else s[BASE_OPTIMIZER_STATE][i][key]
+                    return value.reshape(-1)[:saved[r]["lean"][i]]
+
+                laid = moved(state_of)
+                for r, s in enumerate(out):
+                    if isinstance(s, dict):
+                        target = s[BASE_OPTIMIZER_STATE]["state"][i] if rigid else s[BASE_OPTIMIZER_STATE][i]
+                        target[key] = (laid[r] if rigid else laid[r][:part - pad_of(r)]).clone()
+        for s in out:
+            if isinstance(s, dict):
+                s[ORDER_KEY], s[FLAT_NAMES_KEY] = self._flat_order(), mine
+        out[me][PARAM_SLICE_MAPPINGS] = self._param_slice_mappings
+        return out
+
+    def _saved_flat_offsets(self, i: int, saved: list[dict], width: int, names: list[list[str]] | None,
+                            recorded: Any, numel: dict[str, int]) -> dict[str, int] | None:
+        """Where each parameter of group ``i`` starts in the checkpoint's whole flat group (``None``: not known)."""
+        fragments: dict[str, list[tuple[int, int]]] = {}
+        for r, rank in enumerate(saved):  # a parameter spanning partitions has a fragment in each
+            for name, start, size in rank["maps"][i]:
+                fragments.setdefault(name, []).append((r * width + start, size))
+        sizes = {n: sum(size for _, size in f) for n, f in fragments.items()}
+        if any(numel.get(n) != size for n, size in sizes.items() if size):
+            return None
+        if names is not None:
+            order = list(names[i])
+        else:
+            # DeepSpeed maps the slices in the group's order, which is the flat order unless round_robin_gradients
+            # reshuffled it: stock's reshuffle is recomputed; an older safe_zero one was not recorded by name.
+            order = [n for n in sorted(fragments, key=lambda n: min(o for o, _ in fragments[n])) if sizes[n]]
+            if self.round_robin_gradients and recorded is not None:
+                return None
+            if self.round_robin_gradients and len(saved) > 1:  # one rank: stock's reshuffle keeps the order
+                from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+                order = DeepSpeedZeroOptimizer._round_robin_reorder(self, order, len(saved))[0]
+        offsets, at = {}, 0
+        for name in order:
+            if name not in numel:
+                return None
+            offsets[name] = at
+            at += numel[name]
+        return offsets
 
     @overrides
     def _round_robin_reorder(self, tensor_list: list[Any], num_partitions: int) -> tuple[list[Any], Any]:
@@ -399,6 +566,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _comm_device() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()  # where the data-parallel group's collectives run
+
+
 class AlignAllReduceFetch:
     """Mixin for ``DeepSpeedZeRoOffload``: ``stage3_use_all_reduce_for_fetch_params`` gathers a module's
     parameters into one buffer at offsets that add up ``ds_numel_aligned`` (the size rounded to the world
@@ -457,4 +630,4 @@ class GuardGatheredAlignment:
 
 
 __all__ = ["AlignAllReduceFetch", "AlignFlatGroups", "AlignRoundRobinGroups", "AlignStage3SubGroups", "FIX",
-           "GuardGatheredAlignment", "LoadsUnpaddedCheckpoints", "ORDER_KEY", "RecordsFlatOrder"]
+           "FLAT_NAMES_KEY", "GuardGatheredAlignment", "LoadsUnpaddedCheckpoints", "ORDER_KEY", "RecordsFlatOrder"]

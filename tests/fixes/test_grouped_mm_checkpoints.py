@@ -166,20 +166,36 @@ def test_a_universal_checkpoint_of_safe_zero_resumes_at_other_world_sizes(ranks,
 
 # --- ZeRO-1/2 moves of a hand-made misaligned layout, without Transformers (both CI legs) --------------------------
 # DeepSpeed >= 0.19.7: safe_zero pads (parameter_alignment) and the moves are direct, as for GPT-OSS above. Before
-# 0.19.7 safe_zero reorders the ZeRO-1/2 flat groups, a layout whose checkpoints it does not map: stock -> safe_zero is
-# refused with the universal-checkpoint command, and the universal checkpoint moves either way exactly.
+# 0.19.7 safe_zero reorders the ZeRO-1/2 flat groups, and lays a checkpoint of another order out again on load, by
+# parameter name (issue 16: refused before, naming the universal conversion); the universal checkpoint moves either
+# way exactly too.
+
+ZERO12 = {"stage1": ("stage1", {}), "stage2": ("stage2", {}),
+          "stage2_round_robin": ("stage2", {"round_robin_gradients": True})}
 
 
-def _zero12_move_body(route: str, ckpt: str) -> dict:
+def _zero12_config(case: str, alignment: bool = True, load_universal: bool = False) -> dict:
+    route, zero = ZERO12[case]
+    config = _route_config(route)
+    config["zero_optimization"].update(zero)
+    if not alignment:  # safe_zero in stock's flat order
+        config["safe_zero"] = {"alignment": False}
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def _same(engine, values) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_values(engine), values))
+
+
+def _zero12_move_body(case: str, ckpt: str) -> dict:
     from safe_zero.errors import AlignmentError
 
     def engine(safe: bool, load_universal: bool = False):
-        config = _route_config(route)
-        if load_universal:
-            config["checkpoint"] = {"load_universal": True}
-        return _engine("odd", config, safe=safe)
+        return _engine("odd", _zero12_config(case, load_universal=load_universal), safe=safe)
 
-    out: dict = {"stock_seen": [], "universal_seen": []}
+    out: dict = {"stock_seen": [], "direct_seen": [], "universal_seen": []}
     stock = engine(safe=False)
     _train(stock, 2, out["stock_seen"])
     stock.save_checkpoint(ckpt, tag="stock")
@@ -195,29 +211,26 @@ def _zero12_move_body(route: str, ckpt: str) -> dict:
     safe_values = _values(safe)
     del safe
 
-    def same(loaded, values) -> bool:
-        return all(torch.equal(a, b) for a, b in zip(_values(loaded), values))
-
     # stock -> safe_zero as is, and through a universal checkpoint.
     direct = engine(safe=True)
     try:
         direct.load_checkpoint(ckpt, tag="stock")
-        out["direct_next"] = _train(direct, 2, [])
-        out["direct_equal"] = same(direct, stock_values)
+        out["direct_next"] = _train(direct, 2, out["direct_seen"])
+        out["direct_equal"] = _same(direct, stock_values)
     except AlignmentError as error:
         out["direct_error"] = str(error)
     del direct
     resumed = engine(safe=True, load_universal=True)
     resumed.load_checkpoint(ckpt, tag=_universal(ckpt, "stock"))
     out["universal_next"] = _train(resumed, 2, out["universal_seen"])
-    out["universal_equal"] = same(resumed, stock_values)
+    out["universal_equal"] = _same(resumed, stock_values)
     del resumed
 
     # safe_zero -> stock as is (what a user would try first), and through a universal checkpoint.
     back = engine(safe=False)
     try:
         back.load_checkpoint(ckpt, tag="safe")
-        out["back_plain_equal"] = same(back, safe_values)
+        out["back_plain_equal"] = _same(back, safe_values)
         out["back_plain_next"] = _train(back, 2, [])
     except RuntimeError as error:
         out["back_plain_error"] = str(error)
@@ -225,32 +238,92 @@ def _zero12_move_body(route: str, ckpt: str) -> dict:
     back = engine(safe=False, load_universal=True)
     back.load_checkpoint(ckpt, tag=_universal(ckpt, "safe"))
     out["back_universal_next"] = _train(back, 2, [])
-    out["back_universal_equal"] = same(back, safe_values)
+    out["back_universal_equal"] = _same(back, safe_values)
     return out
 
 
-@pytest.mark.parametrize("route", ["stage1", "stage2"])
+@pytest.mark.parametrize("case", list(ZERO12))
 def test_zero12_checkpoints_of_a_misaligned_layout_move_or_are_refused_with_the_universal_command(
-        ranks, tmp_path, route):
+        ranks, tmp_path, case):
     # One rank: stock ZeRO-1/2 does not train at two CPU ranks on DeepSpeed 0.18.7-0.18.x (flat_buffer_autograd).
-    (r,) = ranks.run(1, _zero12_move_body, route=route, ckpt=str(tmp_path), timeout=600)
+    (r,) = ranks.run(1, _zero12_move_body, case=case, ckpt=str(tmp_path), timeout=600)
     assert set(r["stock_seen"]) - {0}, r["stock_seen"]  # red on stock: the expert weight is off the grid
     assert r["safe_optimizer"] == "SafeDeepSpeedZeroOptimizer"
     assert r["safe_next"] == r["stock_next"]  # the same training, in safe_zero's layout
+    # stock -> safe_zero directly, exact: padded by DeepSpeed >= 0.19.7 (LoadsUnpaddedCheckpoints), laid out again
+    # in safe_zero's order before 0.19.7 (refused before); the resumed run's expert weight is on the grid.
+    assert "direct_error" not in r, r["direct_error"]
+    assert r["direct_next"] == r["stock_next"] and r["direct_equal"], r
+    assert r["direct_seen"] and set(r["direct_seen"]) == {0}, r["direct_seen"]
     if _has_parameter_alignment():
-        # Padded by DeepSpeed: stock's checkpoint loads directly (LoadsUnpaddedCheckpoints); back needs the setting.
         assert not r["reordered"]
-        assert r["direct_next"] == r["stock_next"] and r["direct_equal"], r
-        assert "parameter_alignment" in r["back_plain_error"]
+        assert "parameter_alignment" in r["back_plain_error"]  # back needs the setting DeepSpeed's error names
     else:
-        # Reordered: stock -> safe_zero is refused, naming the conversion, never loaded onto the wrong parameters;
-        # plain DeepSpeed cannot tell and loads safe_zero's checkpoint onto the wrong parameters.
+        # Reordered: plain DeepSpeed cannot tell and loads safe_zero's checkpoint onto the wrong parameters.
         assert r["reordered"]
-        assert "direct_next" not in r, "a stock checkpoint in another order must be refused"
-        assert "ds_to_universal" in r["direct_error"] and "--inject_missing_state" in r["direct_error"]
-        assert '"load_universal": true' in r["direct_error"]
         assert "back_plain_error" not in r and not r["back_plain_equal"]
     # The universal checkpoint moves either way, exactly, and safe_zero's resumed run is aligned.
     assert r["universal_next"] == r["stock_next"] and r["universal_equal"], r
     assert r["universal_seen"] and set(r["universal_seen"]) == {0}, r["universal_seen"]
     assert r["back_universal_next"] == r["safe_next"] and r["back_universal_equal"], r
+
+
+# --- safe_zero -> safe_zero at 2 ranks, between two flat orders (DeepSpeed < 0.19.7) -------------------------------
+# "alignment": false keeps stock's order (no flat order recorded), the default reorders: each checkpoint resumes in
+# the other layout exactly, the partitions cut anew (a parameter moves between ranks).
+
+
+def _zero12_orders_body(case: str, ckpt: str) -> dict:
+    out: dict = {}
+    for alignment in (False, True):
+        engine = _engine("odd", _zero12_config(case, alignment=alignment), safe=True)
+        out[f"reordered_{alignment}"] = bool(engine.optimizer._flat_order())
+        _train(engine, 2, [])
+        engine.save_checkpoint(ckpt, tag=f"aligned_{alignment}")
+        out[f"next_{alignment}"] = _train(engine, 2, [])
+        values = _values(engine)
+        del engine
+        resumed = _engine("odd", _zero12_config(case, alignment=not alignment), safe=True)
+        resumed.load_checkpoint(ckpt, tag=f"aligned_{alignment}")
+        out[f"seen_{not alignment}"] = []
+        out[f"resumed_next_{not alignment}"] = _train(resumed, 2, out[f"seen_{not alignment}"])
+        out[f"resumed_equal_{not alignment}"] = _same(resumed, values)
+        del resumed
+        if not alignment:
+            # Without the names record the checkpoint is what stock writes in this order: mapped from DeepSpeed's
+            # slice mappings (fragments on both ranks; stock's round-robin reshuffle recomputed).
+            _strip_flat_names(ckpt, "aligned_False")
+            resumed = _engine("odd", _zero12_config(case), safe=True)
+            resumed.load_checkpoint(ckpt, tag="aligned_False")
+            out["stripped_next"] = _train(resumed, 2, [])
+            out["stripped_equal"] = _same(resumed, values)
+            del resumed
+    return out
+
+
+def _strip_flat_names(ckpt: str, tag: str) -> None:
+    import glob
+
+    import torch.distributed as dist
+
+    from safe_zero.fixes.grouped_mm_alignment import FLAT_NAMES_KEY
+
+    if dist.get_rank() == 0:
+        for path in glob.glob(f"{ckpt}/{tag}/*optim_states.pt"):
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+            del saved["optimizer_state_dict"][FLAT_NAMES_KEY]
+            torch.save(saved, path)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("case", list(ZERO12))
+def test_zero12_safe_zero_checkpoints_resume_in_another_flat_order_at_two_ranks(ranks, tmp_path, case):
+    if _has_parameter_alignment():
+        pytest.skip("DeepSpeed >= 0.19.7 pads instead (parameter_alignment); safe_zero does not reorder ZeRO-1/2")
+    for r in ranks.run(2, _zero12_orders_body, case=case, ckpt=str(tmp_path), timeout=600):
+        assert r["reordered_True"] and not r["reordered_False"], r
+        for alignment in (False, True):  # resumed in this layout from the other one
+            assert r[f"resumed_next_{alignment}"] == r[f"next_{not alignment}"], (alignment, r)
+            assert r[f"resumed_equal_{alignment}"], (alignment, r)
+        assert r["seen_True"] and set(r["seen_True"]) == {0}, r["seen_True"]
+        assert r["stripped_next"] == r["next_False"] and r["stripped_equal"], r
