@@ -57,7 +57,12 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any, sys_
     import deepspeed
     import torch.distributed as dist
 
+    import torch.nn.functional as F
+
     deepspeed.init_distributed(dist_backend="gloo")
+    # A ZeRO-3 engine leaves torch.nn.functional.linear replaced by DeepSpeed's zero3_linear_wrap, whose bf16 results
+    # differ in the last bits: each job starts with torch's own, as a fresh process would.
+    linear = F.linear
     results.put((rank, "ready", None))
     while True:
         job = jobs.get()
@@ -73,6 +78,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any, sys_
         except BaseException as e:  # report everything, including AssertionError from a body
             outcome = ("err", RankError(rank, type(e).__name__, str(e), traceback.format_exc()))
         gc.collect()
+        F.linear = linear
         results.put((rank, job_id, outcome))
     # Tear gloo down before interpreter exit: its threads abort the process in finalization otherwise.
     dist.barrier()
