@@ -119,7 +119,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite-dir", required=True, type=lambda s: str(Path(s).resolve()),
                    help="extracted upstream tests dir (cwd and --rootdir of pytest)")
-    p.add_argument("--python", default=sys.executable, help="python of the venv to test in")
+    # abspath, not resolve: a venv's python is a symlink whose target is outside the venv.
+    p.add_argument("--python", default=sys.executable, type=os.path.abspath, help="python of the venv to test in")
     p.add_argument("--out-dir", default=None, help="where junit xml and logs go (default: a new temp dir)")
     p.add_argument("--timeout", type=int, default=300, help="per-test timeout if pytest-timeout is installed; 0: none")
     p.add_argument("--pythonpath", action="append", default=[], help="extra PYTHONPATH entry (repeatable)")

@@ -175,11 +175,14 @@ def test_safe_zero12_is_ddp_exact_when_the_ranks_use_other_parameters_every_step
         assert max_error(r, expected) < TOLERANCE
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("stage,overlap", [(1, False), (1, True), (2, False), (2, True)])
-def test_safe_zero12_is_ddp_exact_with_gradient_accumulation(ranks, stage, overlap):
-    results = ranks.run(2, _train, model="moe", safe=True, world_size=2, accumulation=2, stage=stage,
-                        overlap_comm=overlap)
-    assert max_error(results[0], reference("moe", 2, accumulation=2)) < TOLERANCE
+def test_safe_zero12_is_ddp_exact_with_gradient_accumulation(ranks, stage, overlap, world_size):
+    results = ranks.run(world_size, _train, model="moe", safe=True, world_size=world_size, accumulation=2,
+                        stage=stage, overlap_comm=overlap)
+    expected = reference("moe", world_size, accumulation=2)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
 
 
 def test_every_rank_using_every_expert_matches_the_reference_on_stock_too(ranks):
@@ -220,7 +223,15 @@ def test_stock_zero3_fails_on_an_optional_tower(ranks):
     # ("Received data size doesn't match expected size. Is there a distributed collective mismatch"), or one
     # rank waits in the collective until the pool's timeout.
     with pytest.raises((RuntimeError, TimeoutError), match="pool died|did not finish|mismatch|disagreement"):
-        ranks.run(2, _train, model="tower", safe=False, world_size=2, stage=3, timeout=45)
+        ranks.run(2, _train, model="tower", safe=False, world_size=2, stage=3, timeout=20)
+
+
+def test_stock_zero12_fails_on_an_optional_tower(ranks):
+    # The ranks' buckets hold different parameters, so their all-reduces differ in size: gloo aborts a process
+    # ("Connection reset by peer", or a size mismatch) while the other waits. DeepSpeed 0.18.7-0.18.x stops earlier.
+    with pytest.raises((RuntimeError, TimeoutError),
+                       match="pool died|did not finish|mismatch|Connection reset|Output 0 of Split is a view"):
+        ranks.run(2, _train, model="tower", safe=False, world_size=2, stage=2, timeout=20)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
