@@ -56,7 +56,6 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any, sys_
                       LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     import torch.distributed as dist
-
     import torch.nn.functional as F
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -29,18 +29,21 @@ before it lands wait in a queue, in arrival order. Parameters every rank reaches
 unchanged, in the order their hooks fired. The others are held back and reduced at the backward's epilogue, in parameter
 order, on every rank, with a zero gradient where a rank has none -- also when no rank has one, like
 a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
-layout. On ZeRO-1/2 the bucket reductions are a backward's only collectives, so only their sequence
-has to match, not their timing: the agreement runs in the first reducing backward only, whose epilogue
-broadcasts rank 0's hook order once (``ReductionOrder``). From then on each rank walks that order without
-any collective: a parameter goes to DeepSpeed once its hook has fired, or at once with a zero gradient
-where the running backward will not reach it, and never ahead of those before it. On a model where every
-rank uses every parameter the hooks fire in that order, so each is handed over as it fires, as stock does,
-and nothing is added per step; ZeRO-3 keeps the per-backward agreement (none at world size 1, and none on
-ZeRO-1 without ``overlap_comm``, whose single ordered pass only needs the zeros). Reentrant activation
-checkpointing runs nested backwards the outer graph does not show: seen in the first backward, the
-agreement stays; begun later, every rank stops before the update with what to do. ``"find_unused_parameters": false`` (DDP's default contract:
-every rank uses every parameter) drops the all-reduce and checks, locally at the epilogue, that every
-trainable parameter's hook fired (``UnusedParameterError`` if not). Inside DeepSpeed's ``coalesce_grad_reduction``
+layout. There is no agreement at world size 1, nor on ZeRO-1 without ``overlap_comm``, whose single
+ordered pass only needs the zeros.
+
+On ZeRO-1/2 the bucket reductions are a backward's only collectives, so only their sequence has to
+match, not their timing: the agreement runs in the first reducing backward only, whose epilogue
+broadcasts rank 0's hook order once (``ReductionOrder``). From then on each rank walks that order
+without any collective: a parameter goes to DeepSpeed once its hook has fired, or at once with a zero
+gradient where the running backward will not reach it, and never ahead of those before it. On a model
+where every rank uses every parameter the hooks fire in that order, so each is handed over as it fires,
+as stock does, and nothing is added per step. ZeRO-3 keeps the per-backward agreement. Reentrant
+activation checkpointing runs nested backwards the outer graph does not show: seen in the first
+backward, the agreement stays; begun later, every rank stops before the update with what to do.
+
+``"find_unused_parameters": false`` (DDP's default contract: every rank uses every parameter) drops the
+all-reduce and checks, locally at the epilogue, that every trainable parameter's hook fired (``UnusedParameterError`` if not). Inside DeepSpeed's ``coalesce_grad_reduction``
 (0.19.x) the hooks do not reduce; the flush at the block's exit does, for the parameters that have a gradient on
 that rank. There every trainable parameter without one gets a zero gradient at the end of each backward, so every
 rank flushes the same parameters, without a collective.
@@ -93,10 +96,14 @@ def _node(param: torch.Tensor) -> Any:
         return _get_grad_fn_or_grad_acc(param)
 
 
+def _will_reach(node: Any) -> bool:
+    """Whether the running backward will execute ``node`` (a parameter's gradient accumulator)."""
+    return node is not None and bool(torch._C._will_engine_execute_node(node))
+
+
 def _reached(params: list[torch.Tensor]) -> list[bool]:
     """Whether the running backward will reach each parameter's gradient accumulator."""
-    return [bool(torch._C._will_engine_execute_node(node)) if (node := _node(p)) is not None else False
-            for p in params]
+    return [_will_reach(_node(p)) for p in params]
 
 
 class Agreement:
@@ -342,7 +349,7 @@ class _AgreesOnReducedParams:
                     self._zero_fill(param, "was not used on this rank")
                 self._reduce_now(param, *args)
         if self._bucket_reductions_only and not self._safe_zero_nested:
-            self._safe_zero_order = self._agree_on_order(agreement.arrived, dict((id(p), a) for p, a in held_in_order))
+            self._safe_zero_order = self._agree_on_order(agreement.arrived, {id(p): a for p, a in held_in_order})
 
     def _agree_on_order(self, arrived: list[torch.nn.Parameter], args: dict[int, tuple]) -> ReductionOrder:
         """Rank 0's hook order of this backward, the parameters it did not reach after it: one broadcast per group."""
@@ -393,8 +400,7 @@ class _AgreesOnReducedParams:
             param = params[k]
             args = walk.fired.pop(id(param), None)
             if args is None:
-                node = walk.order.nodes[id(param)]
-                if not finish and node is not None and torch._C._will_engine_execute_node(node):
+                if not finish and _will_reach(walk.order.nodes[id(param)]):
                     break
                 args = walk.order.args[id(param)]
                 if param.grad is None:

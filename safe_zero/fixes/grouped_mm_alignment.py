@@ -183,8 +183,12 @@ class RecordsFlatOrder:
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         state = super().state_dict(*args, **kwargs)
         if isinstance(state, dict):
-            state[ORDER_KEY] = self._flat_order()
+            state.update(self._layout_records())
         return state
+
+    def _layout_records(self) -> dict[str, Any]:
+        """What a checkpoint records of this run's flat layout, beside DeepSpeed's own state."""
+        return {ORDER_KEY: self._flat_order()}
 
     def _flat_params(self) -> list[list[torch.Tensor]]:
         for attr in ("bf16_groups", "fp16_groups"):
@@ -312,13 +316,9 @@ class AlignRoundRobinGroups(AlignFlatGroups):
 
     _SAFE_ZERO_RELAYOUT = False  # _load_legacy_checkpoint sees every saved rank's state; done there
 
-    @overrides
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        state = super().state_dict(*args, **kwargs)
-        if isinstance(state, dict):
-            # Under round_robin_gradients DeepSpeed's slice mappings follow the group order, not the flat buffer's.
-            state[FLAT_NAMES_KEY] = self._flat_names()
-        return state
+    def _layout_records(self) -> dict[str, Any]:
+        # Under round_robin_gradients DeepSpeed's slice mappings follow the group order, not the flat buffer's.
+        return {**super()._layout_records(), FLAT_NAMES_KEY: self._flat_names()}
 
     def _flat_names(self) -> list[list[str]]:
         return [[self.param_names[p] for p in group] for group in self.round_robin_bit16_groups]
@@ -336,6 +336,7 @@ class AlignRoundRobinGroups(AlignFlatGroups):
     def _zero12_laid_out_again(self, states: list[Any]) -> list[Any]:
         """``states`` (one per saved rank; rigid checkpoints: only this rank's loaded) in this run's flat layout."""
         from deepspeed import comm as dist
+        from deepspeed.accelerator import get_accelerator
         from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, GROUP_PADDINGS, PARAM_SLICE_MAPPINGS,
                                                     SINGLE_PARTITION_OF_FP32_GROUPS)
 
@@ -396,7 +397,7 @@ class AlignRoundRobinGroups(AlignFlatGroups):
                     full = torch.cat([rank_lean(s, r) for r, s in enumerate(states)])
                 else:
                     mine_lean = rank_lean(own, me)
-                    padded = torch.zeros(width, dtype=mine_lean.dtype, device=_comm_device())
+                    padded = torch.zeros(width, dtype=mine_lean.dtype, device=get_accelerator().current_device_name())
                     padded[:mine_lean.numel()] = mine_lean
                     parts = [torch.empty_like(padded) for _ in range(ranks)]
                     dist.all_gather(parts, padded, group=group)
@@ -564,12 +565,6 @@ def _without_unpadded_record(state: dict) -> dict:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _comm_device() -> str:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().current_device_name()  # where the data-parallel group's collectives run
 
 
 class AlignAllReduceFetch:
