@@ -163,6 +163,26 @@ def test_safe_zero12_is_ddp_exact_on_an_moe_with_rank_dependent_experts(ranks, r
     assert "gradless_params" in results[0]["report"]
 
 
+def test_stock_zero12_trains_experts_that_move_between_ranks_silently_wrong(ranks):
+    if flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):  # 0.18.7-0.18.x: stock ZeRO-1/2 stops earlier on gloo
+        with pytest.raises(RankFailure, match="Output 0 of Split is a view"):
+            ranks.run(2, _train, model="moe-shuffled", safe=False, world_size=2, stage=2, overlap_comm=True)
+        return
+    results = ranks.run(2, _train, model="moe-shuffled", safe=False, world_size=2, stage=2, overlap_comm=True)
+    assert max_error(results[0], reference("moe-shuffled", 2)) > 1e-3
+
+
+@pytest.mark.parametrize("route", ["stage1", "stage2-overlap"])
+def test_a_model_every_rank_uses_fully_trains_as_stock_does_at_three_ranks(ranks, route):
+    """Never worse than stock: where stock is already DDP-exact, so is safe_zero's agreed order (world size 3)."""
+    expected = reference("moe-dense", 3)
+    for r in ranks.run(3, _train, model="moe-dense", safe=True, world_size=3, **ZERO12_ROUTES[route]):
+        assert max_error(r, expected) < TOLERANCE
+    if not flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):  # stock ZeRO-1/2 cannot step at 3 gloo ranks there
+        for r in ranks.run(3, _train, model="moe-dense", safe=False, world_size=3, **ZERO12_ROUTES[route]):
+            assert max_error(r, expected) < TOLERANCE
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("route", ["stage1-overlap", "stage2", "stage2-overlap", "stage2-round-robin"])
 def test_safe_zero12_is_ddp_exact_when_the_ranks_use_other_parameters_every_step(ranks, route, world_size):
