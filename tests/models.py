@@ -270,6 +270,58 @@ class OptionalTower(nn.Module):
         return (self.head(h) - y).pow(2).mean()
 
 
+class _Shift(nn.Module):
+    """A linear layer whose learned shift is added only when asked: entered on every rank, ``shift`` used on some."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Linear(8, 8)
+        self.shift = nn.Parameter(torch.zeros(8))
+
+    def forward(self, h: torch.Tensor, shifted: bool) -> torch.Tensor:
+        h = self.scale(h)
+        return h + self.shift if shifted else h
+
+
+class SometimesShifted(nn.Module):
+    """Every rank runs every module, but ``body.shift`` gets a gradient only on ranks whose batch asks for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.body = _Shift()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, shifted: bool) -> torch.Tensor:
+        return (self.head(self.body(torch.relu(self.inp(x)), shifted)) - y).pow(2).mean()
+
+
+class _MovingScale(nn.Module):
+    """Scales its input before its child layer or its output after it: under ZeRO-3 the gradient of ``scale``
+    then arrives after the child's gathers in a backward, or before them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, h: torch.Tensor, early: bool) -> torch.Tensor:
+        return self.child(h * self.scale) if early else self.child(h) * self.scale
+
+
+class MovingScale(nn.Module):
+    """A regression model around one :class:`_MovingScale`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.body = _MovingScale()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, early: bool) -> torch.Tensor:
+        return (self.head(torch.tanh(self.body(self.inp(x), early))) - y).pow(2).mean()
+
+
 class _TinyCausalMoE(nn.Module):
     """A tiny causal LM from Transformers' own modeling code with grouped_mm experts, fed by ``train``."""
 

@@ -20,27 +20,35 @@ training on the global batch. Stock ZeRO breaks it three ways:
 - **The same for ZeRO-3 parameters outside leaf modules** (``stage3.py``
   ``reduce_ready_partitions_and_remove_grads`` -> ``__add_grad_to_ipg_bucket``, hook order).
 
-The fix has one mechanism for all of them. At the first gradient hook of a backward that reduces,
-each rank asks autograd which trainable parameters this backward will reach
-(``torch._C._will_engine_execute_node``, as DeepSpeed's own ``count_used_parameters_in_backward``
-does), and the ranks agree in one all-reduce (MIN over a ``uint8`` flag per parameter, one byte per
-trainable parameter, per data-parallel group); on ZeRO-1/2 it runs in the background and hooks that fire
-before it lands wait in a queue, in arrival order. Parameters every rank reaches go through DeepSpeed's hook path
-unchanged, in the order their hooks fired. The others are held back and reduced at the backward's epilogue, in parameter
-order, on every rank, with a zero gradient where a rank has none -- also when no rank has one, like
-a parameter whose hook fired with ``None``. So every rank reduces the same tensors in the same
-layout. There is no agreement at world size 1, nor on ZeRO-1 without ``overlap_comm``, whose single
-ordered pass only needs the zeros.
+The fix has one mechanism for all of them. In the first backward that reduces, each rank asks
+autograd which trainable parameters this backward will reach (``torch._C._will_engine_execute_node``,
+as DeepSpeed's own ``count_used_parameters_in_backward`` does), and the ranks agree in one all-reduce
+(MIN over a ``uint8`` flag per parameter, one byte per trainable parameter, per data-parallel group):
+on ZeRO-1/2 at its first gradient hook, in the background, hooks that fire before it lands waiting in
+a queue in arrival order; on ZeRO-3 where the backward enters its first module, before any gather.
+Parameters every rank reaches go through DeepSpeed's hook path unchanged, in the order their hooks
+fired. The others are held back and reduced at the backward's epilogue, in parameter order, on every
+rank, with a zero gradient where a rank has none -- also when no rank has one, like a parameter whose
+hook fired with ``None``. So every rank reduces the same tensors in the same layout. There is no
+agreement at world size 1, nor on ZeRO-1 without ``overlap_comm``, whose single ordered pass only
+needs the zeros.
 
-On ZeRO-1/2 the bucket reductions are a backward's only collectives, so only their sequence has to
-match, not their timing: the agreement runs in the first reducing backward only, whose epilogue
-broadcasts rank 0's hook order once (``ReductionOrder``). From then on each rank walks that order
-without any collective: a parameter goes to DeepSpeed once its hook has fired, or at once with a zero
-gradient where the running backward will not reach it, and never ahead of those before it. On a model
-where every rank uses every parameter the hooks fire in that order, so each is handed over as it fires,
-as stock does, and nothing is added per step. ZeRO-3 keeps the per-backward agreement. Reentrant
-activation checkpointing runs nested backwards the outer graph does not show: seen in the first
-backward, the agreement stays; begun later, every rank stops before the update with what to do.
+Only the sequence of a backward's collectives has to match across ranks, not their timing. So the
+agreement runs in the first reducing backward only, whose epilogue broadcasts rank 0's hook order once
+(``ReductionOrder``). From then on each rank walks that order without any collective: a parameter goes
+to DeepSpeed once its hook has fired, or at once with a zero gradient where the running backward will
+not reach it, and never ahead of those before it. On a model where every rank uses every parameter the
+hooks fire in that order, so each is handed over as it fires, as stock does, and nothing is added per
+step. ZeRO-3 also gathers parameters during backward, module by module, and its bucket flushes must
+fall between the same gathers on every rank. The coordinator counts the modules each forward and
+backward enters (the module clock, the same on every rank while they follow DeepSpeed's recorded
+module order), the order records the clock at which each of rank 0's hooks fired, and each rank hands
+a parameter over once the clock has reached that value and, where its hook will not fire, before the
+next module's gathers. When every rank leaves the recorded module order at the same module (they agree
+on it through the store, see below), the rest of that backward is reduced at its epilogue and the next
+backward agrees again. Reentrant activation checkpointing runs nested backwards the outer graph does
+not show: seen in the first backward, the agreement stays; begun later, every rank stops before the
+update with what to do.
 
 ``"find_unused_parameters": false`` (DDP's default contract: every rank uses every parameter) drops the
 all-reduce and checks, locally at the epilogue, that every trainable parameter's hook fired (``UnusedParameterError`` if not). Inside DeepSpeed's ``coalesce_grad_reduction``
@@ -122,6 +130,7 @@ class Agreement:
         self.graph_task = graph_task
         self.queued: list[tuple[torch.nn.Parameter, tuple]] = []
         self.arrived: list[torch.nn.Parameter] = []  # every reducing hook's parameter, in the order they fired
+        self.clocks: dict[int, int] = {}  # ZeRO-3: per parameter, the module clock at its first hook (AgreesOnModulesWhileRecording)
         self._held: set[int] | None = None
         self._pending = []
         for group, params in params_by_group:
@@ -151,24 +160,32 @@ class Agreement:
         return id(param) in self.held
 
 
+#: The due clock of a parameter rank 0's first backward did not reach: it is handed over at the epilogue.
+AT_EPILOGUE = 2**62
+
+
 class ReductionOrder:
     """The one order in which every rank hands DeepSpeed its trainable parameters, per data-parallel group.
 
-    Where the bucket reductions are a backward's only collectives (ZeRO-1/2), only their sequence must match
-    across ranks, not their timing. So the first reducing backward runs under an ``Agreement``, and at its
-    epilogue the ranks take rank 0's hook order (the parameters it did not reach after it, in parameter
-    order), broadcast once. From then on each rank walks that order alone (``_Walk``): a parameter goes to
-    DeepSpeed once its hook has fired, or at once with a zero gradient where this rank's backward will not
-    reach it, and never ahead of the parameters before it. A rank whose hooks fire in rank 0's order (every
-    rank uses every parameter) hands each one over as it fires, as stock does: no collective per step.
+    Only the sequence of a backward's collectives must match across ranks, not their timing. So the first
+    reducing backward runs under an ``Agreement``, and at its epilogue the ranks take rank 0's hook order (the
+    parameters it did not reach after it, in parameter order), broadcast once. From then on each rank walks
+    that order alone (``_Walk``): a parameter goes to DeepSpeed once its hook has fired, or at once with a zero
+    gradient where this rank's backward will not reach it, and never ahead of the parameters before it. A rank
+    whose hooks fire in rank 0's order (every rank uses every parameter) hands each one over as it fires, as
+    stock does: no collective per step.
+
+    ZeRO-3 also gathers parameters during backward, module by module, so there the order carries ``due``: the
+    module clock (``AgreesOnModulesWhileRecording``) at which each hook fired on rank 0. A parameter is handed over once the
+    clock has reached its due value and, at the latest, before the gathers of the next module.
     """
 
-    def __init__(self, sequences: list[list[torch.nn.Parameter]], args: dict[int, tuple]) -> None:
+    def __init__(self, sequences: list[list[torch.nn.Parameter]], args: dict[int, tuple],
+                 due: dict[int, int] | None = None) -> None:
         self.sequences = sequences
         self.args = args  # the hook arguments DeepSpeed registered for each parameter (its group index)
+        self.due = due
         self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
-        # Held, so each stays the accumulator autograd uses (it lives only while something references it).
-        self.nodes = {id(p): _node(p) for sequence in sequences for p in sequence}
 
 
 class _Walk:
@@ -179,6 +196,8 @@ class _Walk:
         self.graph_task = graph_task
         self.next = [0] * len(order.sequences)  # per sequence: the first parameter not yet handed over
         self.fired: dict[int, tuple] = {}  # parameters whose hook fired, waiting for the ones before them
+        #: ZeRO-3: every rank left the module order at the same point; the rest is handed over at the epilogue.
+        self.holding = False
 
 
 def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any,
@@ -293,6 +312,14 @@ class _AgreesOnReducedParams:
                     self._zero_fill(param, "was not used on this rank")
         super().backward_epilogue(*args, **kwargs)
 
+    def _module_clock(self) -> int | None:
+        """ZeRO-3: the modules entered so far in this forward and backward (``None``: ZeRO-1/2, no clock)."""
+        return None
+
+    def _walks(self) -> bool:
+        """Whether the order agreed at this epilogue can be walked in the next backwards."""
+        return True
+
     def _reduce_agreed(self, param: torch.nn.Parameter, *args: Any) -> None:
         """The hook body under the agreement: queue until it is known, then reduce what every rank reached."""
         if torch._C._current_graph_task_id() == -1:
@@ -306,11 +333,14 @@ class _AgreesOnReducedParams:
             self._safe_zero_fired.add(id(param))
             self._reduce_now(param, *args)
             return
-        if self._safe_zero_order is not None:
+        if self._safe_zero_walk is not None or self._safe_zero_order is not None:
             self._reduce_in_order(param, *args)
             return
         agreement = self._agreement()
         agreement.arrived.append(param)
+        clock = self._module_clock()
+        if clock is not None:
+            agreement.clocks.setdefault(id(param), clock)
         if not agreement.known(wait=not self._bucket_reductions_only):
             agreement.queued.append((param, args))
             return
@@ -348,28 +378,40 @@ class _AgreesOnReducedParams:
                 if param.grad is None:
                     self._zero_fill(param, "was not used on this rank")
                 self._reduce_now(param, *args)
-        if self._bucket_reductions_only and not self._safe_zero_nested:
-            self._safe_zero_order = self._agree_on_order(agreement.arrived, {id(p): a for p, a in held_in_order})
+        if self._walks() and not self._safe_zero_nested:
+            clocks = agreement.clocks if self._module_clock() is not None else None
+            self._safe_zero_order = self._agree_on_order(agreement.arrived, {id(p): a for p, a in held_in_order},
+                                                         clocks)
 
-    def _agree_on_order(self, arrived: list[torch.nn.Parameter], args: dict[int, tuple]) -> ReductionOrder:
-        """Rank 0's hook order of this backward, the parameters it did not reach after it: one broadcast per group."""
+    def _ordered_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        """The parameters a ``ReductionOrder`` sequences, per data-parallel group."""
+        return self._reduced_params_by_group()
+
+    def _agree_on_order(self, arrived: list[torch.nn.Parameter], args: dict[int, tuple],
+                        clocks: dict[int, int] | None) -> ReductionOrder:
+        """Rank 0's hook order of this backward, the parameters it did not reach after it (and on ZeRO-3 the
+        module clock of each hook): one broadcast per group."""
         from deepspeed import comm as dist
         from deepspeed.accelerator import get_accelerator
 
-        sequences = []
-        for group, params in self._reduced_params_by_group():
+        sequences, due = [], ({} if clocks is not None else None)
+        for group, params in self._ordered_params_by_group():
             if not params:
                 continue
             index = {id(p): k for k, p in enumerate(params)}
             mine = list(dict.fromkeys(index[id(p)] for p in arrived if id(p) in index))
             mine += sorted(set(range(len(params))) - set(mine))
-            order = torch.tensor(mine, dtype=torch.int64, device=get_accelerator().current_device_name())
+            rows = [mine] if clocks is None else [mine, [clocks.get(id(params[k]), AT_EPILOGUE) for k in mine]]
+            order = torch.tensor(rows, dtype=torch.int64, device=get_accelerator().current_device_name())
             dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
-            sequences.append([params[k] for k in order.tolist()])
-        return ReductionOrder(sequences, args)
+            sequence = [params[k] for k in order[0].tolist()]
+            sequences.append(sequence)
+            if due is not None:
+                due.update(zip((id(p) for p in sequence), order[1].tolist()))
+        return ReductionOrder(sequences, args, due)
 
-    def _reduce_in_order(self, param: torch.nn.Parameter, *args: Any) -> None:
-        """The hook body once the order is agreed: hand over, in that order, what is ready (no collective)."""
+    def _current_walk(self) -> _Walk:
+        """This backward's walk along the agreed order, begun at its first hook or module boundary."""
         task = torch._C._current_graph_task_id()
         walk = self._safe_zero_walk
         if walk is None:
@@ -385,22 +427,43 @@ class _AgreesOnReducedParams:
                 "Enable reentrant checkpointing before the first step (safe_zero then reduces such gradients at the "
                 "end of each backward), or use non-reentrant checkpointing (use_reentrant=False, e.g. "
                 'gradient_checkpointing_kwargs={"use_reentrant": False}).')
+        return walk
+
+    def _reduce_in_order(self, param: torch.nn.Parameter, *args: Any) -> None:
+        """The hook body once the order is agreed: hand over, in that order, what is ready (no collective)."""
+        if not getattr(param, "ds_grad_is_ready", True):
+            # ZeRO-3 tiled compute: one of several hooks for this parameter in this backward; DeepSpeed only adds
+            # the last one to its bucket, so that one is what keeps its place in the order.
+            self._reduce_now(param, *args)
+            return
+        walk = self._current_walk()
         slot = walk.order.slot.get(id(param))
         if slot is None:  # made trainable after the order was agreed: nothing to keep in step with
             self._reduce_now(param, *args)
             return
         walk.fired[id(param)] = args
-        self._hand_over(walk, slot[0])
+        if not walk.holding:
+            self._hand_over(walk, slot[0], clock=self._module_clock())
 
-    def _hand_over(self, walk: _Walk, sequence: int, finish: bool = False) -> None:
+    def _hand_over(self, walk: _Walk, sequence: int, finish: bool = False, clock: int | None = None) -> None:
         """Reduce the parameters of ``sequence`` from its first one not yet handed over, while each is ready:
-        fired, or not reached by this rank's backward (at the epilogue: every one left)."""
+        fired, or not reached by this rank's backward (at the epilogue: every one left), and due by ``clock``.
+
+        One reached whose hook has not fired yet stops the walk until it fires. On ZeRO-3 that can be past a
+        module's gathers where the agreed order has it before them: the ranks then still reduce in one order if
+        its gradient moved on every rank alike, and as stock does (each bucket sorted by parameter) if not.
+        """
         params, k = walk.order.sequences[sequence], walk.next[sequence]
+        due = walk.order.due
         while k < len(params):
             param = params[k]
+            if clock is not None and due is not None and due[id(param)] > clock:
+                break
             args = walk.fired.pop(id(param), None)
             if args is None:
-                if not finish and _will_reach(walk.order.nodes[id(param)]):
+                # Asked afresh: a held accumulator would be reused by the next forward, with the shape the parameter
+                # had when it was made (a released ZeRO-3 parameter's is empty).
+                if not finish and _will_reach(_node(param)):
                     break
                 args = walk.order.args[id(param)]
                 if param.grad is None:
@@ -482,7 +545,19 @@ class ReduceInOneOrderStage12(_AgreesOnReducedParams):
 
 class ReduceInOneOrderStage3(_AgreesOnReducedParams):
     """Mixin for ``DeepSpeedZeroOptimizer_Stage3``: the same for parameters outside ZeRO-3 leaf modules
-    (a leaf module's backward hook already reduces all of its parameters, zero-filled, in order)."""
+    (a leaf module's backward hook already reduces all of its parameters, zero-filled, in order), walked
+    on the coordinator's module clock (``AgreesOnModulesWhileRecording``)."""
+
+    #: The coordinator whose module clock this optimizer's walk follows (safe_zero's, else ``None``: no walk).
+    _safe_zero_coordinator: Any = None
+
+    @overrides
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        coordinator = self.parameter_offload.get_param_coordinator()
+        if isinstance(coordinator, AgreesOnModulesWhileRecording):
+            self._safe_zero_coordinator = coordinator
+            coordinator._safe_zero_reducer = self
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
         from deepspeed.utils import z3_leaf_parameter
@@ -490,9 +565,48 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
         params = [p for group in self.fp16_groups for p in group if p.requires_grad and not z3_leaf_parameter(p)]
         return [(self.dp_process_group, params)]
 
+    def _ordered_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        # Leaf-module parameters keep their place too: their hook hands them over between the others'.
+        return [(self.dp_process_group, list(self._trainable_params()))]
+
     def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
         # Leaf-module parameters too: a leaf module some rank never entered has no gradient there either.
         return (p for group in self.fp16_groups for p in group if p.requires_grad)
+
+    def _module_clock(self) -> int | None:
+        coordinator = self._safe_zero_coordinator
+        return None if coordinator is None else coordinator._safe_zero_position
+
+    def _walks(self) -> bool:
+        # A trace left during this step: the next one records the module order again, and agrees again.
+        coordinator = self._safe_zero_coordinator
+        return coordinator is not None and not coordinator.is_invalid_trace()
+
+    def _agrees(self) -> bool:
+        """Whether this backward's reductions go through the agreement or the walk."""
+        return (session_for(self).uses(FIX) and _data_parallel_world(self) > 1
+                and not getattr(self, "_coalesce_grad_reduction", False)
+                and session_for(self).options.find_unused_parameters)
+
+    def _at_module_boundary(self, clock: int) -> None:
+        """The coordinator enters a module in this backward, ``clock`` modules after the forward began; its
+        gathers follow. Every rank is at the same point here, so: start this backward's agreement (before its
+        first gather), or hand over every parameter due by ``clock``."""
+        if torch._C._current_graph_task_id() == -1 or not self._agrees():
+            return
+        if self._safe_zero_walk is None and self._safe_zero_order is None:
+            self._agreement()
+            return
+        walk = self._current_walk()
+        if not walk.holding:
+            self._hand_over(walk, 0, clock=clock)
+
+    def _left_the_trace(self) -> None:
+        """Every rank left DeepSpeed's recorded module order at the same module: the clock's due values no longer
+        hold. The rest of a backward in progress is handed over at its end; the next one agrees again."""
+        self._safe_zero_order = None
+        if self._safe_zero_walk is not None:
+            self._safe_zero_walk.holding = True
 
     def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
         from deepspeed.accelerator import get_accelerator
@@ -510,7 +624,6 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
         if not session_for(self).uses(FIX):
             super().reduce_ready_partitions_and_remove_grads(param, *args)
         elif _data_parallel_world(self) > 1 and not getattr(self, "_coalesce_grad_reduction", False):
-            # Leaf-module parameters are never held, but queue with the rest so the order stays the same everywhere.
             self._reduce_agreed(param, *args)
         else:
             self._reduce_now(param, *args)
@@ -588,9 +701,15 @@ class AgreesOnModulesWhileRecording:
       seconds for every rank to post at the same point: all did, with the same module, and training goes on
       (DeepSpeed records the order again); otherwise it raises ``RankDivergenceError`` naming the module the
       others ran, instead of hanging in its next gather.
+    - The module clock: the modules entered so far in this forward and backward (``_safe_zero_position``), the
+      same on every rank while they follow one module order. Every gather of a backward follows a module's
+      entry, so the ZeRO-3 optimizer (``_safe_zero_reducer``) is told of each entry before its gathers, and
+      hands over there the gradients that rank 0 handed over before that point.
     """
 
     _safe_zero_names: dict[int, str] = {}
+    #: The optimizer whose reductions follow this coordinator's module clock (``ReduceInOneOrderStage3``).
+    _safe_zero_reducer: Any = None
     _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
     _safe_zero_kept_params: list[torch.nn.Parameter] = []
     #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
@@ -626,12 +745,16 @@ class AgreesOnModulesWhileRecording:
     def trace_prologue(self, sub_module: torch.nn.Module) -> None:
         if self._kept(sub_module):
             return
+        if self._safe_zero_reducer is not None and torch._C._current_graph_task_id() != -1:
+            self._safe_zero_reducer._at_module_boundary(self._safe_zero_position)
         complete = self.is_complete_trace()
         super().trace_prologue(sub_module)
         position = self._safe_zero_position
         self._safe_zero_position += 1
         if complete and self.is_invalid_trace() and session_for(self).uses(FIX):
             self._agree_on_leaving_the_trace(sub_module, position)
+            if self._safe_zero_reducer is not None:
+                self._safe_zero_reducer._left_the_trace()
 
     def _agree_on_leaving_the_trace(self, module: torch.nn.Module, position: int) -> None:
         import torch.distributed as dist

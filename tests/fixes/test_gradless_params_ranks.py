@@ -17,8 +17,8 @@ import torch
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import (CheckpointedMoE, ExpertMoE, LateCheckpointedMoE, NonReentrantCheckpointedMoE, OptionalTower,
-                          build, expert_batch)
+from tests.models import (CheckpointedMoE, ExpertMoE, LateCheckpointedMoE, MovingScale, NonReentrantCheckpointedMoE,
+                          OptionalTower, SometimesShifted, build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -29,9 +29,15 @@ ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank);
 #: ``tower-skip-later``: every rank carries one in the first step, then rank 1 never again.
 #: ``moe-shuffled``: each step every rank's experts move one on, so hooks fire in other orders than in the first step.
+#: ``tower-moving``: the ranks that carry an image change every step.
+#: ``shift``: ``body.shift`` is used by rank 0 in the first step and skipped by some rank in each later one;
+#: ``shift-later``: rank 0 skips it in the first step. ``moving``: ``body.scale``'s gradient arrives before the
+#: child's gathers in even steps and after them in odd ones, alike on every rank; ``moving-rank1``: on rank 1 only.
 MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
           "moe-checkpointed-late": LateCheckpointedMoE,
-          "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower}
+          "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower,
+          "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
+          "moving": MovingScale, "moving-rank1": MovingScale}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -45,7 +51,13 @@ def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
         return expert_batch(ROUTES[world_size][rank], seed)
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
-    if model == "tower-late":
+    if model.startswith("shift"):
+        return x, y, (rank + micro) % 3 != (0 if model == "shift-later" else 2)
+    if model.startswith("moving"):
+        return x, y, micro % 2 == 1 and (model == "moving" or rank == 1)
+    if model == "tower-moving":
+        carries = (rank + micro) % 2 == 0
+    elif model == "tower-late":
         carries = micro == 0
     elif model == "tower-skip-later":
         carries = micro == 0 or rank != 1
@@ -276,6 +288,73 @@ def test_safe_zero3_is_ddp_exact_on_an_optional_tower_listed_in_optional_modules
     assert any("optional module(s) tower kept gathered" in what for what in results[0]["report"]["gradless_params"])
 
 
+#: ZeRO-3 with every parameter partitioned, released after each use, never prefetched (this model is small enough to
+#: be prefetched whole) and reduced in buckets of 12 elements: every backward gathers module by module, with bucket
+#: flushes between those gathers.
+GATHERING = dict(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0,
+                 reduce_bucket_size=12)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("model", ["shift", "shift-later"])
+def test_safe_zero3_is_ddp_exact_when_a_module_every_rank_runs_uses_a_parameter_on_some(ranks, model, world_size):
+    """From the second step each rank walks the agreed order on the module clock, without a collective: a parameter
+    it did not use goes out as zeros before the gathers of the module that follows rank 0's hook for it (``shift``),
+    or at the end of the backward where rank 0 did not reach it in the first step (``shift-later``)."""
+    results = ranks.run(world_size, _train, model=model, safe=True, world_size=world_size, stage=3, timeout=90,
+                        **GATHERING)
+    expected = reference(model, world_size)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("route", ["accumulation", "offload"])
+def test_safe_zero3_walk_is_ddp_exact_with_gradient_accumulation_and_cpu_offload(ranks, route):
+    """Every micro-step's backward reduces on ZeRO-3, so each one walks; with the optimizer on the CPU the
+    reductions feed the offloaded partitions."""
+    accumulation = 2 if route == "accumulation" else 1
+    zero = dict(offload_optimizer={"device": "cpu"}) if route == "offload" else {}
+    results = ranks.run(2, _train, model="shift", safe=True, world_size=2, stage=3, accumulation=accumulation,
+                        timeout=90, **GATHERING, **zero)
+    expected = reference("shift", 2, accumulation=accumulation)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
+def test_stock_zero3_fails_when_a_module_every_rank_runs_uses_a_parameter_on_some(ranks):
+    # Rank 1 skips body.shift in step 2: its buckets flush other parameters than rank 0's between the same gathers.
+    with pytest.raises((RuntimeError, TimeoutError), match="pool died|did not finish|mismatch|Connection reset"):
+        ranks.run(2, _train, model="shift", safe=False, world_size=2, stage=3, timeout=20, **GATHERING)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_safe_zero3_is_ddp_exact_when_the_ranks_that_run_an_optional_module_change(ranks, world_size):
+    results = ranks.run(world_size, _train, model="tower-moving", safe=True, world_size=world_size, stage=3,
+                        options={"optional_modules": ["tower"]}, timeout=90, **GATHERING)
+    expected = reference("tower-moving", world_size)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
+def test_safe_zero3_waits_for_a_gradient_that_moves_past_a_gather_on_every_rank_alike(ranks):
+    """In step 2 ``body.scale``'s gradient arrives after ``body.child``'s gathers, where the agreed order has it
+    before them, on every rank alike: every rank's walk waits for it, so they still reduce in one order."""
+    results = ranks.run(2, _train, model="moving", safe=True, world_size=2, stage=3, timeout=90, **GATHERING)
+    expected = reference("moving", 2)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_zero3_trains_a_gradient_that_moves_on_one_rank_as_stock_does(ranks, safe):
+    """Only rank 1's ``body.scale`` gradient moves. With one bucket per backward stock DeepSpeed reduces it sorted by
+    parameter, so where it arrives does not matter; safe_zero's walk waits for it on rank 1 only and trains the same."""
+    results = ranks.run(2, _train, model="moving-rank1", safe=safe, world_size=2, stage=3)
+    expected = reference("moving-rank1", 2)
+    for r in results:
+        assert max_error(r, expected) < TOLERANCE
+
+
 @pytest.mark.parametrize("safe", [False, True])
 def test_zero3_module_order_that_changes_on_every_rank_alike(ranks, safe):
     """Every rank drops the tower after the first step: DeepSpeed records its trace again, on every rank alike.
@@ -315,11 +394,12 @@ def test_activation_checkpointing_is_ddp_exact(ranks, route, reentrant):
         assert bool(r["warned"]) == reentrant, r["warned"]
 
 
-def test_reentrant_checkpointing_turned_on_after_the_first_step_stops_with_what_to_do(ranks):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reentrant_checkpointing_turned_on_after_the_first_step_stops_with_what_to_do(ranks, stage):
     """The agreed order is walked without a collective, trusting the outer graph for what a rank reaches; a nested
     backward that begins later reaches parameters already reduced as zeros, and the step stops before its update."""
     with pytest.raises(RankFailure, match="nested backward.*use_reentrant=False"):
-        ranks.run(2, _train, model="moe-checkpointed-late", safe=True, world_size=2, stage=2)
+        ranks.run(2, _train, model="moe-checkpointed-late", safe=True, world_size=2, stage=stage)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
