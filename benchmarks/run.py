@@ -134,15 +134,16 @@ def main() -> int:
 
     why = {"zero2": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, and the broadcast "
                     "of rank 0's reduction order, 8 B per trainable parameter)",
-           "zero3": "(gradless_params' agreement: 1 byte per trainable parameter; in the first step also one all_gather "
-                    "of 8 B per rank per module with parameters, the ranks agreeing on the module order)"}
+           "zero3": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, the broadcast of "
+                    "rank 0's reduction order with each hook's module clock, 16 B per trainable parameter, and one "
+                    "all_gather of 8 B per rank per module with parameters, the ranks agreeing on the module order)"}
     for stage, per_step in results["collectives_per_step"].items():
         for label, step in (("first", 0), ("later", -1)):
             counts = {which: steps[step] for which, steps in per_step.items()}
             extra = counts["safe_zero"].get("all_reduce_bytes", 0) - counts["stock"].get("all_reduce_bytes", 0)
             lines.append(f"| collectives in the {label} {stage} step, control model (every rank uses every parameter) "
                          f"| {listed(counts['stock'])} | {listed(counts['safe_zero'])} | +{extra} B all-reduced "
-                         f"{why[stage]} | {'none' if stage == 'zero2' and label == 'later' else 'one small all-reduce'} |")
+                         f"{why[stage]} | {'none' if label == 'later' else 'one small all-reduce, one broadcast'} |")
     lines.append(f"| `import safe_zero` after `import deepspeed` | | | {results['import_safe_zero_ms']:.1f} ms | <= 50 ms |")
     for row in results["alignment_padding"] or []:
         lines.append(f"| alignment padding, {row['layout']} | | | {row['bytes']} B "

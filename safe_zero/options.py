@@ -57,9 +57,11 @@ class SafeZeroOptions:
             collectives as one that runs them, and their gradients are reduced with zeros from the
             ranks that skipped them. Costs their full size in memory on every rank; optimizer state
             stays partitioned. ZeRO-1/2 need nothing and ignore it.
-        find_unused_parameters: DDP's option of the same name, default ``true``: at every backward the ranks
-            agree, in one all-reduce of one byte per trainable parameter, which parameters each used, so a
-            parameter some rank did not use is reduced with a zero gradient from it. ``false`` promises
+        find_unused_parameters: DDP's option of the same name, default ``true``: a parameter some rank did not
+            use is reduced with a zero gradient from it. In the first backward the ranks agree on which parameters
+            each used (one all-reduce of one byte per trainable parameter) and on one reduction order (one
+            broadcast); later backwards follow that order with no collective (reentrant activation checkpointing
+            keeps the agreement in every backward). ``false`` promises
             that every rank uses every trainable parameter in every backward (DDP's default): no
             collective is added, and a rank that sees a parameter without a gradient raises
             ``UnusedParameterError`` instead of training wrong.

@@ -130,7 +130,7 @@ class Agreement:
         self.graph_task = graph_task
         self.queued: list[tuple[torch.nn.Parameter, tuple]] = []
         self.arrived: list[torch.nn.Parameter] = []  # every reducing hook's parameter, in the order they fired
-        self.clocks: dict[int, int] = {}  # ZeRO-3: per parameter, the module clock at its first hook (AgreesOnModulesWhileRecording)
+        self.clocks: dict[int, int] = {}  # ZeRO-3: per parameter, the module clock at its first hook
         self._held: set[int] | None = None
         self._pending = []
         for group, params in params_by_group:
@@ -176,8 +176,9 @@ class ReductionOrder:
     stock does: no collective per step.
 
     ZeRO-3 also gathers parameters during backward, module by module, so there the order carries ``due``: the
-    module clock (``AgreesOnModulesWhileRecording``) at which each hook fired on rank 0. A parameter is handed over once the
-    clock has reached its due value and, at the latest, before the gathers of the next module.
+    module clock (``AgreesOnModulesWhileRecording``) at which each hook fired on rank 0. A parameter is handed
+    over once the clock has reached its due value and, where its hook will not fire, before the gathers of the
+    next module.
     """
 
     def __init__(self, sequences: list[list[torch.nn.Parameter]], args: dict[int, tuple],
@@ -224,9 +225,8 @@ class _AgreesOnReducedParams:
     #: ``"find_unused_parameters": false``: ids of the parameters whose hook fired in this backward.
     _safe_zero_fired: set[int] | None = None
     #: Whether the bucket reductions are a backward's only collectives (ZeRO-1/2). Then hooks may queue while
-    #: the agreement is in flight, and after the first backward one agreed ``ReductionOrder`` replaces it.
-    #: ZeRO-3 also gathers parameters during backward: a queue, or a zero gradient handed over early, would move
-    #: its reductions past those gathers on some ranks only.
+    #: the agreement is in flight. ZeRO-3 also gathers parameters during backward: a queue would move its
+    #: reductions past those gathers on some ranks only, so there the agreement is waited for.
     _bucket_reductions_only: bool = False
     _safe_zero_order: ReductionOrder | None = None
     _safe_zero_walk: _Walk | None = None
@@ -443,11 +443,16 @@ class _AgreesOnReducedParams:
             return
         walk.fired[id(param)] = args
         if not walk.holding:
-            self._hand_over(walk, slot[0], clock=self._module_clock())
+            # On ZeRO-3 a parameter whose hook will not fire waits for the next module boundary: asking autograd
+            # about the next parameter at every hook costs more than the wait.
+            clock = self._module_clock()
+            self._hand_over(walk, slot[0], clock=clock, ask=clock is None)
 
-    def _hand_over(self, walk: _Walk, sequence: int, finish: bool = False, clock: int | None = None) -> None:
+    def _hand_over(self, walk: _Walk, sequence: int, finish: bool = False, clock: int | None = None,
+                   ask: bool = True) -> None:
         """Reduce the parameters of ``sequence`` from its first one not yet handed over, while each is ready:
-        fired, or not reached by this rank's backward (at the epilogue: every one left), and due by ``clock``.
+        fired, or not reached by this rank's backward (at the epilogue: every one left; ``ask=False``: only
+        fired), and due by ``clock``.
 
         One reached whose hook has not fired yet stops the walk until it fires. On ZeRO-3 that can be past a
         module's gathers where the agreed order has it before them: the ranks then still reduce in one order if
@@ -463,7 +468,7 @@ class _AgreesOnReducedParams:
             if args is None:
                 # Asked afresh: a held accumulator would be reused by the next forward, with the shape the parameter
                 # had when it was made (a released ZeRO-3 parameter's is empty).
-                if not finish and _will_reach(_node(param)):
+                if not finish and (not ask or _will_reach(_node(param))):
                     break
                 args = walk.order.args[id(param)]
                 if param.grad is None:
