@@ -283,19 +283,6 @@ class _Shift(nn.Module):
         return h + self.shift if shifted else h
 
 
-class SometimesShifted(nn.Module):
-    """Every rank runs every module, but ``body.shift`` gets a gradient only on ranks whose batch asks for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 8)
-        self.body = _Shift()
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, shifted: bool) -> torch.Tensor:
-        return (self.head(self.body(torch.relu(self.inp(x)), shifted)) - y).pow(2).mean()
-
-
 class _MovingScale(nn.Module):
     """Scales its input before its child layer or its output after it: under ZeRO-3 the gradient of ``scale``
     then arrives after the child's gathers in a backward, or before them."""
@@ -309,17 +296,31 @@ class _MovingScale(nn.Module):
         return self.child(h * self.scale) if early else self.child(h) * self.scale
 
 
-class MovingScale(nn.Module):
-    """A regression model around one :class:`_MovingScale`."""
+class _RegressionAround(nn.Module):
+    """A regression model around one ``BODY`` module that takes a per-batch flag."""
+
+    BODY: type[nn.Module]
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
-        self.body = _MovingScale()
+        self.body = self.BODY()
         self.head = nn.Linear(8, 1)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, early: bool) -> torch.Tensor:
-        return (self.head(torch.tanh(self.body(self.inp(x), early))) - y).pow(2).mean()
+    def forward(self, x: torch.Tensor, y: torch.Tensor, flag: bool) -> torch.Tensor:
+        return (self.head(self.body(torch.relu(self.inp(x)), flag)) - y).pow(2).mean()
+
+
+class SometimesShifted(_RegressionAround):
+    """Every rank runs every module, but ``body.shift`` gets a gradient only on ranks whose batch asks for it."""
+
+    BODY = _Shift
+
+
+class MovingScale(_RegressionAround):
+    """``body.scale``'s gradient arrives before or after ``body.child``'s gathers, as the batch's flag says."""
+
+    BODY = _MovingScale
 
 
 class _TinyCausalMoE(nn.Module):

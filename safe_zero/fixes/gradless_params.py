@@ -587,17 +587,17 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
         coordinator = self._safe_zero_coordinator
         return coordinator is not None and not coordinator.is_invalid_trace()
 
-    def _agrees(self) -> bool:
-        """Whether this backward's reductions go through the agreement or the walk."""
+    def _reduces_in_one_order(self) -> bool:
+        """Whether the hooks go through the agreement or the walk (else straight to DeepSpeed)."""
         return (session_for(self).uses(FIX) and _data_parallel_world(self) > 1
-                and not getattr(self, "_coalesce_grad_reduction", False)
-                and session_for(self).options.find_unused_parameters)
+                and not getattr(self, "_coalesce_grad_reduction", False))
 
     def _at_module_boundary(self, clock: int) -> None:
         """The coordinator enters a module in this backward, ``clock`` modules after the forward began; its
         gathers follow. Every rank is at the same point here, so: start this backward's agreement (before its
         first gather), or hand over every parameter due by ``clock``."""
-        if torch._C._current_graph_task_id() == -1 or not self._agrees():
+        if (torch._C._current_graph_task_id() == -1 or not self._reduces_in_one_order()
+                or not session_for(self).options.find_unused_parameters):
             return
         if self._safe_zero_walk is None and self._safe_zero_order is None:
             self._agreement()
@@ -628,7 +628,7 @@ class ReduceInOneOrderStage3(_AgreesOnReducedParams):
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
         if not session_for(self).uses(FIX):
             super().reduce_ready_partitions_and_remove_grads(param, *args)
-        elif _data_parallel_world(self) > 1 and not getattr(self, "_coalesce_grad_reduction", False):
+        elif self._reduces_in_one_order():
             self._reduce_agreed(param, *args)
         else:
             self._reduce_now(param, *args)
