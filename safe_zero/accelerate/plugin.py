@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from accelerate.utils import DeepSpeedPlugin
@@ -15,6 +16,9 @@ from safe_zero.accelerate.routing import (
 )
 from safe_zero.errors import UnreachableModeError
 from safe_zero.options import CONFIG_KEY
+
+#: Whether this Accelerate still has MS-AMP: 1.16 removed it, and with it the ``enable_msamp`` field.
+ACCELERATE_HAS_MSAMP: bool = "enable_msamp" in {field.name for field in dataclasses.fields(DeepSpeedPlugin)}
 
 
 class SafeDeepSpeedPlugin(DeepSpeedPlugin):
@@ -36,8 +40,8 @@ class SafeDeepSpeedPlugin(DeepSpeedPlugin):
       does not exist yet, creates it with DeepSpeed's CPU backend (gloo) so Accelerate and
       DeepSpeed count the same processes (:func:`safe_zero.accelerate.cpu_distributed_state`);
       if the state already counts differently, the ``Accelerator`` raises an error saying what to pass;
-    * refuses MS-AMP (``enable_msamp``), which Accelerate initializes through its own
-      ``msamp.deepspeed.initialize`` that safe_zero cannot reach;
+    * refuses MS-AMP (``enable_msamp``, Accelerate < 1.16, which removed MS-AMP), which Accelerate
+      initializes through its own ``msamp.deepspeed.initialize`` that safe_zero cannot reach;
     * right before Accelerate calls ``deepspeed.initialize``, checks that the call will go through
       safe_zero, and raises otherwise.
 
@@ -48,7 +52,7 @@ class SafeDeepSpeedPlugin(DeepSpeedPlugin):
     def __post_init__(self) -> None:
         cpu_distributed_state()
         super().__post_init__()
-        if self.enable_msamp:
+        if ACCELERATE_HAS_MSAMP and self.enable_msamp:
             raise UnreachableModeError(
                 "safe_zero cannot reach MS-AMP (ACCELERATE_FP8_BACKEND=MSAMP / enable_msamp): Accelerate initializes "
                 "it through msamp.deepspeed.initialize. Use a stock DeepSpeedPlugin to run MS-AMP without safe_zero.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -70,13 +71,50 @@ def test_auto_in_the_block_breaks_stock_accelerate_and_the_plugin_drops_it():
     assert plugin.deepspeed_config["safe_zero"] == {"fixes": {"zero_element_groups": True}}
 
 
-def test_plugin_rejects_a_malformed_block_and_ms_amp():
+def test_plugin_rejects_a_malformed_block():
     from safe_zero.accelerate import SafeDeepSpeedPlugin
 
     with pytest.raises(safe_zero.SafeZeroConfigError, match="alignment"):
         SafeDeepSpeedPlugin(hf_ds_config={**BASE, "safe_zero": {"alignment": "sometimes"}})
-    with pytest.raises(safe_zero.UnreachableModeError, match="MS-AMP"):
-        SafeDeepSpeedPlugin(hf_ds_config=copy.deepcopy(BASE), enable_msamp=True)
+
+
+def test_plugin_refuses_ms_amp_where_this_accelerate_has_it():
+    """MS-AMP is refused on an Accelerate that has it (< 1.16); on one without it the plugin reads no MS-AMP field."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from safe_zero.accelerate import SafeDeepSpeedPlugin
+    from safe_zero.accelerate.plugin import ACCELERATE_HAS_MSAMP
+
+    fields = {f.name for f in dataclasses.fields(DeepSpeedPlugin)}
+    assert ACCELERATE_HAS_MSAMP == ("enable_msamp" in fields)
+    if ACCELERATE_HAS_MSAMP:
+        with pytest.raises(safe_zero.UnreachableModeError, match="MS-AMP"):
+            SafeDeepSpeedPlugin(hf_ds_config=copy.deepcopy(BASE), enable_msamp=True)
+    else:
+        with pytest.raises(TypeError, match="enable_msamp"):
+            DeepSpeedPlugin(hf_ds_config=copy.deepcopy(BASE), enable_msamp=True)
+
+
+def test_plugin_reads_only_fields_this_accelerate_has():
+    """Every plugin attribute safe_zero reads exists on the installed DeepSpeedPlugin (a field that a release drops
+    must be feature-detected, as enable_msamp is: Accelerate 1.16 removed it and the plugin crashed at construction)."""
+    import ast
+    import inspect
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    from safe_zero.accelerate import plugin
+
+    tree = ast.parse(inspect.getsource(plugin))
+    read = {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    own = {name for name in vars(plugin.SafeDeepSpeedPlugin)}
+    guarded = {"enable_msamp"} if not plugin.ACCELERATE_HAS_MSAMP else set()
+    stock = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(BASE))
+    available = set(dir(stock)) | own
+    assert read - available - guarded == set()
+    SafeDeepSpeedPlugin = plugin.SafeDeepSpeedPlugin
+    assert SafeDeepSpeedPlugin(hf_ds_config=copy.deepcopy(BASE)).deepspeed_config["safe_zero"] == {}
 
 
 def test_plugin_adds_the_block_and_refuses_a_stock_initialize_at_prepare():
