@@ -6,25 +6,34 @@ DS_MAIN     := 0.19.8
 DS_LEGACY   := 0.18.9
 VENV        := .venv
 VENV_LEGACY := .venv-ds$(DS_LEGACY)
+VENV_NEWEST := .venv-newest
+VENV_FLOOR  := .venv-floor
 EXTRAS      := dev,lightning,accelerate,transformers,examples,trl
+# The extras whose floors `make test-floor` installs together (examples and trl need newer transformers).
+FLOOR_EXTRAS := lightning,accelerate,transformers
+# The exact releases the suite was last seen green on: `make test` installs them, `make lock` rewrites them.
+CONSTRAINTS := constraints/ci.txt
 PYTEST_ARGS ?=
 
 export DS_ACCELERATOR := cpu
+
+.PHONY: demo test test-main test-legacy test-newest test-floor lock bench matrix clean
+
 # One JIT build cache per venv: DeepSpeed builds its CPU comm op under the same name for every release.
-export TORCH_EXTENSIONS_DIR = $(abspath $(VENV))/torch_extensions
+run_pytest = TORCH_EXTENSIONS_DIR=$(abspath $(1))/torch_extensions $(1)/bin/python -m pytest -q $(PYTEST_ARGS)
 
-.PHONY: demo test test-main test-legacy bench matrix clean
-
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q $(TORCH_PIN)
-	$(VENV)/bin/pip install -q $(TORCH_PIN) deepspeed==$(DS_MAIN) -e '.[$(EXTRAS)]'
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) $(TORCH_PIN) deepspeed==$(DS_MAIN) -e '.[$(EXTRAS)]'
 	touch $@
 
-$(VENV_LEGACY)/.installed: pyproject.toml Makefile
+# The legacy leg: the core suite on an older DeepSpeed, every other release as pinned for the main leg.
+$(VENV_LEGACY)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV_LEGACY)
+	grep -v '^deepspeed==' $(CONSTRAINTS) > $(VENV_LEGACY)/constraints.txt
 	$(VENV_LEGACY)/bin/pip install -q $(TORCH_PIN)
-	$(VENV_LEGACY)/bin/pip install -q $(TORCH_PIN) deepspeed==$(DS_LEGACY) -e '.[dev]'
+	$(VENV_LEGACY)/bin/pip install -q -c $(VENV_LEGACY)/constraints.txt $(TORCH_PIN) deepspeed==$(DS_LEGACY) -e '.[dev]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -33,10 +42,35 @@ demo: $(VENV)/.installed
 test: test-main test-legacy
 
 test-main: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(call run_pytest,$(VENV))
 
 test-legacy: $(VENV_LEGACY)/.installed
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_LEGACY))/torch_extensions $(VENV_LEGACY)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(call run_pytest,$(VENV_LEGACY))
+
+# The newest releases the registry serves of everything pyproject.toml allows (a fresh venv each time).
+test-newest:
+	rm -rf $(VENV_NEWEST)
+	$(PYTHON) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/pip install -q $(TORCH_PIN)
+	$(VENV_NEWEST)/bin/pip install -q $(TORCH_PIN) deepspeed -e '.[$(EXTRAS)]'
+	$(VENV_NEWEST)/bin/pip freeze --exclude-editable > $(VENV_NEWEST)/resolved.txt
+	$(call run_pytest,$(VENV_NEWEST))
+	touch $(VENV_NEWEST)/.green
+
+# Every declared floor at once (scripts/floors.py reads them from pyproject.toml; torch stays at its pin).
+test-floor:
+	rm -rf $(VENV_FLOOR)
+	$(PYTHON) -m venv $(VENV_FLOOR)
+	$(PYTHON) scripts/floors.py $(FLOOR_EXTRAS) > $(VENV_FLOOR)/floors.txt
+	$(VENV_FLOOR)/bin/pip install -q $(TORCH_PIN)
+	$(VENV_FLOOR)/bin/pip install -q -c $(VENV_FLOOR)/floors.txt $(TORCH_PIN) deepspeed -e '.[dev,$(FLOOR_EXTRAS)]'
+	$(VENV_FLOOR)/bin/pip freeze --exclude-editable > $(VENV_FLOOR)/resolved.txt
+	$(call run_pytest,$(VENV_FLOOR))
+
+# Pin CI to what `make test-newest` last passed on.
+lock: $(VENV_NEWEST)/.green
+	{ sed -n '/^#/p' $(CONSTRAINTS); sed 's/+cpu$$//' $(VENV_NEWEST)/resolved.txt; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/run.py
@@ -45,4 +79,4 @@ matrix:
 	$(PYTHON) scripts/matrix.py
 
 clean:
-	rm -rf $(VENV) $(VENV_LEGACY) .venv-matrix .pytest_cache
+	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_NEWEST) $(VENV_FLOOR) .venv-matrix .pytest_cache

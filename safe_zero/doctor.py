@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import json
 import os
 import sys
@@ -19,17 +18,16 @@ from typing import Any, Iterator
 
 from torch import nn
 
-PACKAGES = ("torch", "deepspeed", "lightning", "pytorch-lightning", "accelerate", "transformers")
+from safe_zero.versions import SUPPORTED, installed_version
 
 
-def _versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+def _versions() -> dict[str, dict[str, str | None]]:
+    """Per dependency: the installed release, the allowed range, the tested floor and newest, and where the
+    installed one stands (:meth:`safe_zero.versions.Supported.status`)."""
+    return {name: {"installed": (installed := installed_version(name)), "allowed": str(supported.allowed),
+                   "tested_floor": supported.floor if supported.floor_tested else None,
+                   "tested_newest": supported.newest, "status": supported.status(installed)}
+            for name, supported in SUPPORTED.items()}
 
 
 def check_model_spec(spec: str) -> None:
@@ -116,7 +114,15 @@ def diagnose(model_spec: str | None = None) -> dict[str, Any]:
 
 
 def _print(report: dict[str, Any]) -> None:
-    print("versions: " + ", ".join(f"{k} {v or '-'}" for k, v in report["versions"].items()))
+    print(f"{'package':14} {'installed':12} {'allowed':16} {'tested':22} status")
+    for name, v in report["versions"].items():
+        tested = f"{v['tested_floor']} .. {v['tested_newest']}" if v["tested_floor"] else f"{v['tested_newest']} only"
+        status = v["status"]
+        if status == "newer than tested":
+            status += " (allowed, not run by safe_zero's suite yet)"
+        elif status == "older than the floor":
+            status += f" (refused: pip install '{name}{v['allowed']}')"
+        print(f"{name:14} {v['installed'] or '-':12} {v['allowed']:16} {tested:22} {status}")
     print(f"supported DeepSpeed: {report['supported_deepspeed']}; DeepSpeed's own parameter_alignment option: "
           f"{'available (ZeRO-1/2, off unless asked)' if report['deepspeed_parameter_alignment_option'] else 'absent'}")
     print(f"{'fix':28} {'defect here':12} {'engages':8} needed on DeepSpeed")

@@ -15,6 +15,10 @@ class UnsupportedDeepSpeedError(SafeZeroError):
     """The installed DeepSpeed is outside the range safe_zero was built and tested for."""
 
 
+class UnsupportedVersionError(SafeZeroError, ImportError):
+    """A framework safe_zero integrates with is older than the floor of its supported range."""
+
+
 class DeepSpeedDriftError(SafeZeroError):
     """A DeepSpeed name safe_zero rebinds or overrides is missing, or is not what safe_zero expects."""
 

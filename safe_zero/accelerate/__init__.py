@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from safe_zero.accelerate.plugin import SafeDeepSpeedPlugin
-from safe_zero.accelerate.routing import (
+from safe_zero.versions import require
+
+require("accelerate", "safe_zero.accelerate")
+
+from safe_zero.accelerate.plugin import SafeDeepSpeedPlugin  # noqa: E402
+from safe_zero.accelerate.routing import (  # noqa: E402
     WorldSizeMismatchError,
     check_world_size,
     cpu_distributed_state,

@@ -10,11 +10,15 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
-from transformers import TrainerCallback
+from safe_zero.versions import require
 
-from safe_zero.errors import SafeZeroError
-from safe_zero.accelerate.routing import check_routed, check_world_size, install_on_request, session_of, opt_in
-from safe_zero.injection import verify_engine
+require("transformers", "safe_zero.accelerate's Trainer glue")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from safe_zero.accelerate.routing import check_routed, check_world_size, install_on_request, opt_in, session_of  # noqa: E402
+from safe_zero.errors import SafeZeroError  # noqa: E402
+from safe_zero.injection import verify_engine  # noqa: E402
 
 log = logging.getLogger("safe_zero")
 

@@ -1,9 +1,13 @@
 """``SafeFabricDeepSpeedStrategy`` for the standalone ``lightning_fabric`` package (its own class tree and registry)."""
 
-from lightning_fabric.strategies import DeepSpeedStrategy
+from safe_zero.versions import require
 
-from safe_zero.lightning._common import FabricStrategyMixin, safe_twin_of
-from safe_zero.lightning._registration import register
+require("lightning", "safe_zero.lightning", installed_as="lightning-fabric")
+
+from lightning_fabric.strategies import DeepSpeedStrategy  # noqa: E402
+
+from safe_zero.lightning._common import FabricStrategyMixin, safe_twin_of  # noqa: E402
+from safe_zero.lightning._registration import register  # noqa: E402
 
 
 @safe_twin_of(

@@ -1,9 +1,13 @@
 """``SafeDeepSpeedStrategy`` for ``lightning.pytorch``'s Trainer."""
 
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from safe_zero.versions import require
 
-from safe_zero.lightning._common import TrainerStrategyMixin, safe_twin_of
-from safe_zero.lightning._registration import register
+require("lightning", "safe_zero.lightning")
+
+from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
+
+from safe_zero.lightning._common import TrainerStrategyMixin, safe_twin_of  # noqa: E402
+from safe_zero.lightning._registration import register  # noqa: E402
 
 
 @safe_twin_of(

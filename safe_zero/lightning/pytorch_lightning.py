@@ -1,9 +1,13 @@
 """``SafeDeepSpeedStrategy`` for the standalone ``pytorch_lightning`` package (its own class tree and registry)."""
 
-from pytorch_lightning.strategies import DeepSpeedStrategy
+from safe_zero.versions import require
 
-from safe_zero.lightning._common import TrainerStrategyMixin, safe_twin_of
-from safe_zero.lightning._registration import register
+require("lightning", "safe_zero.lightning", installed_as="pytorch-lightning")
+
+from pytorch_lightning.strategies import DeepSpeedStrategy  # noqa: E402
+
+from safe_zero.lightning._common import TrainerStrategyMixin, safe_twin_of  # noqa: E402
+from safe_zero.lightning._registration import register  # noqa: E402
 
 
 @safe_twin_of(

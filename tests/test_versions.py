@@ -1,0 +1,112 @@
+"""The supported-versions table (safe_zero/versions.py) against pyproject.toml, the CI constraints and the README."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from safe_zero import versions
+from safe_zero.errors import UnsupportedVersionError
+from safe_zero.versions import SUPPORTED, Supported
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pyproject() -> dict:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _declared() -> dict[str, list[tuple[str | None, SpecifierSet]]]:
+    """name -> [(extra or None, specifier)] for every requirement of pyproject.toml."""
+    project = _pyproject()
+    found: dict[str, list[tuple[str | None, SpecifierSet]]] = {}
+    for extra, requirements in [(None, project["dependencies"]), *project["optional-dependencies"].items()]:
+        for text in requirements:
+            requirement = Requirement(text)
+            found.setdefault(requirement.name.lower(), []).append((extra, requirement.specifier))
+    return found
+
+
+def test_each_dependency_is_declared_where_the_table_says_with_its_range():
+    declared = _declared()
+    for name, supported in SUPPORTED.items():
+        assert (supported.extra, supported.allowed) in declared[name], (name, declared[name])
+        assert [Version(s.version) for s in supported.allowed if s.operator == ">="] == [Version(supported.floor)], name
+        # Another extra may need a newer floor (trl needs transformers 4.56.2), never an older one or another cap.
+        for _, specifier in declared[name]:
+            assert all(Version(s.version) >= Version(supported.floor) for s in specifier if s.operator == ">="), name
+            caps = {s for s in specifier if s.operator in ("<", "<=")}
+            assert caps <= {s for s in supported.allowed if s.operator in ("<", "<=")}, (name, specifier)
+
+
+def test_ci_pins_the_tested_newest_of_every_dependency():
+    pins = {}
+    with open(os.path.join(ROOT, "constraints", "ci.txt")) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                name, _, version = line.strip().partition("==")
+                pins[canonicalize_name(name)] = version
+    for name, supported in SUPPORTED.items():
+        assert pins.get(name) == supported.newest, f"{name}: constraints/ci.txt pins {pins.get(name)}, " \
+                                                    f"safe_zero/versions.py says {supported.newest} was tested"
+        assert supported.newest in supported.allowed
+
+
+def test_the_floor_leg_installs_every_testable_floor():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("floors", os.path.join(ROOT, "scripts", "floors.py"))
+    floors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floors)
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        extras = re.search(r"^FLOOR_EXTRAS\s*:=\s*(\S+)", f.read(), re.M).group(1).split(",")
+    pinned = floors.floors(extras)
+    for name, supported in SUPPORTED.items():
+        if supported.extra in (None, *extras) and supported.floor_tested:
+            assert name in pinned and Version(pinned[name]) == Version(supported.floor), name
+        elif supported.extra in (None, *extras):
+            assert name not in pinned, f"{name}'s floor is declared untested but the floor leg would install it"
+        else:  # an extra outside the floor leg: its floor must be what the main leg tests
+            assert supported.floor == supported.newest, name
+
+
+def test_readme_table_shows_the_same_ranges():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme[readme.index("### Supported versions"):]
+    for name, supported in SUPPORTED.items():
+        floor = supported.floor if supported.floor_tested else "not tested"
+        row = f"| {name} | {floor} | {supported.newest} | `{supported.allowed}` |"
+        assert row in table, row
+
+
+@pytest.mark.parametrize("installed, status", [
+    (None, "missing"), ("1.9.0", "older than the floor"), ("2.0.0", "tested"), ("2.1.3", "within the tested range"),
+    ("2.4.0", "tested"), ("2.4.0+cpu", "tested"), ("2.5.0", "newer than tested"), ("3.0.0", "outside the allowed range"),
+])
+def test_status_of_an_installed_release(installed, status):
+    supported = Supported("pkg", SpecifierSet(">=2.0,<3"), floor="2.0.0", newest="2.4.0")
+    assert supported.status(installed) == status
+
+
+def test_an_untested_floor_is_not_called_tested():
+    supported = Supported("pkg", SpecifierSet(">=2.0"), floor="2.0", newest="2.4.0", floor_tested=False)
+    assert supported.status("2.0") == "within the tested range"
+
+
+def test_an_integration_refuses_a_framework_older_than_its_floor(monkeypatch):
+    monkeypatch.setattr(versions, "installed_version", lambda name: {"accelerate": "0.34.2"}.get(name))
+    with pytest.raises(UnsupportedVersionError, match=r"needs accelerate>=1\.0 but found 0\.34\.2.*safe-zero\[accelerate\]"):
+        versions.require("accelerate", "safe_zero.accelerate")
+    assert isinstance(UnsupportedVersionError("x"), ImportError)
+    versions.require("lightning", "safe_zero.lightning")  # not installed (per the stand-in): nothing to refuse
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.6.6")
+    versions.require("lightning", "safe_zero.lightning", installed_as="pytorch-lightning")
