@@ -8,8 +8,9 @@ from packaging.version import Version
 import deepspeed
 
 from safe_zero.errors import SafeZeroError, UnsupportedDeepSpeedError  # noqa: F401  (re-exported)
+from safe_zero.versions import SUPPORTED
 
-SUPPORTED_DEEPSPEED = SpecifierSet(">=0.18.0,<0.20")
+SUPPORTED_DEEPSPEED: SpecifierSet = SUPPORTED["deepspeed"].allowed
 
 # Finer facts about the supported releases, named where safe_zero and its tests decide by them.
 #: ZeRO-1/2 has ``zero_optimization.parameter_alignment`` (DeepSpeed pads parameter boundaries itself).

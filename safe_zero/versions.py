@@ -61,7 +61,8 @@ class Supported:
 SUPPORTED: dict[str, Supported] = {s.distribution: s for s in (
     Supported("torch", SpecifierSet(">=2.4"), floor="2.4", newest="2.13.0", floor_tested=False),
     # DeepSpeed internals are subclassed; each minor release is checked by `make matrix` before it is allowed.
-    Supported("deepspeed", SpecifierSet(">=0.18.0,<0.20"), floor="0.18.0", newest="0.19.8"),
+    # 0.18.0-0.18.2 lack the optimizer's enter_backward, which gradless_params extends (refused at import).
+    Supported("deepspeed", SpecifierSet(">=0.18.3,<0.20"), floor="0.18.3", newest="0.19.8"),
     Supported("lightning", SpecifierSet(">=2.4"), floor="2.4.0", newest="2.6.6", extra="lightning"),
     Supported("accelerate", SpecifierSet(">=1.0"), floor="1.0.0", newest="1.16.0", extra="accelerate"),
     Supported("transformers", SpecifierSet(">=4.50"), floor="4.50.0", newest="5.25.0", extra="transformers"),

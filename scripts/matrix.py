@@ -33,7 +33,7 @@ import xml.etree.ElementTree as ET
 from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RELEASES = os.environ.get("MATRIX_RELEASES", "0.18.0 0.18.9 0.19.0 0.19.6 0.19.7 0.19.8").split()
+RELEASES = os.environ.get("MATRIX_RELEASES", "0.18.3 0.18.9 0.19.0 0.19.6 0.19.7 0.19.8").split()
 TORCH_PIN = "torch==2.13.0"
 README_START, README_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
 OTHER = "rest of the core suite"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import tomllib
@@ -61,8 +62,6 @@ def test_ci_pins_the_tested_newest_of_every_dependency():
 
 
 def test_the_floor_leg_installs_every_testable_floor():
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("floors", os.path.join(ROOT, "scripts", "floors.py"))
     floors = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(floors)
@@ -110,3 +109,20 @@ def test_an_integration_refuses_a_framework_older_than_its_floor(monkeypatch):
     versions.require("lightning", "safe_zero.lightning")  # not installed (per the stand-in): nothing to refuse
     monkeypatch.setattr(versions, "installed_version", lambda name: "2.6.6")
     versions.require("lightning", "safe_zero.lightning", installed_as="pytorch-lightning")
+
+
+def test_readme_matrix_is_the_matrix_scripts_last_output():
+    """The README's DeepSpeed matrix is what `make matrix` last wrote (scripts/matrix.md), dated and at a commit."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, "scripts", "matrix.md")) as f:
+        written = f.read().strip()
+    shown = readme.split("<!-- matrix:start -->", 1)[1].split("<!-- matrix:end -->", 1)[0].strip()
+    assert shown == written
+    assert re.search(r"Last run: \d{4}-\d{2}-\d{2} at commit [0-9a-f]{7}", written)
+    # The script's next run covers the DeepSpeed floor.
+    spec = importlib.util.spec_from_file_location("matrix", os.path.join(ROOT, "scripts", "matrix.py"))
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    assert SUPPORTED["deepspeed"].floor in matrix.RELEASES
+    assert all(release in SUPPORTED["deepspeed"].allowed for release in matrix.RELEASES)
