@@ -1,4 +1,4 @@
-"""Calling whatever is bound to ``deepspeed.initialize`` -- a profiler, a tracer, a test mock -- with safe_zero's classes.
+"""Calling whatever is bound to ``deepspeed.initialize`` (a profiler, a tracer, a test mock) with safe_zero's classes.
 
 The integrations (Lightning's strategies, the Accelerate dispatcher) take over
 ``deepspeed.initialize``. Someone else may have wrapped it first. Skipping that wrapper would

@@ -56,8 +56,8 @@ class SafeDeepSpeedZeroOptimizer_Stage3(CapturesSession, AlignStage3SubGroups, R
     """ZeRO-3 optimizer."""
 
 
-class SafeDeepSpeedZeRoOffload(CapturesSession, AlignAllReduceFetch, AdoptZeroElementParams, KeepsOptionalModulesGathered,
-                               DeepSpeedZeRoOffload):
+class SafeDeepSpeedZeRoOffload(CapturesSession, AlignAllReduceFetch, AdoptZeroElementParams,
+                               KeepsOptionalModulesGathered, DeepSpeedZeRoOffload):
     """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
 
 

@@ -84,7 +84,8 @@ def _outcomes(junit: str) -> dict[str, collections.Counter]:
 
 
 def _counts(counter: collections.Counter) -> str:
-    return ", ".join(f"{counter[k]} {k}" for k in ("passed", "failed", "xfailed", "skipped") if counter[k]) or "none ran"
+    shown = ("passed", "failed", "xfailed", "skipped")
+    return ", ".join(f"{counter[k]} {k}" for k in shown if counter[k]) or "none ran"
 
 
 def _commit() -> str:

@@ -16,7 +16,6 @@ Stdlib only.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import subprocess
 import sys

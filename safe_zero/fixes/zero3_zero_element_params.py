@@ -174,7 +174,8 @@ class MaterializeZeroElementOnFetch:
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         empty = self._safe_zero_empty_by_module.get(id(current_submodule))
         if empty is None:
-            empty = self._safe_zero_empty_by_module[id(current_submodule)] = self._zero_element_params(current_submodule)
+            empty = self._zero_element_params(current_submodule)
+            self._safe_zero_empty_by_module[id(current_submodule)] = empty
         if empty and materialize_available(empty) and not getattr(self, "_safe_zero_fetch_reported", False):
             session_for(self).engaged(FIX, "zero-element parameters made available at fetch without a collective")
             self._safe_zero_fetch_reported = True
