@@ -26,6 +26,8 @@ def _parse(version: str) -> Version:
 
 
 DEEPSPEED_VERSION: Version = _parse(deepspeed.__version__)
+#: This DeepSpeed pads parameter boundaries in ZeRO-1/2 flat buffers when asked (``parameter_alignment``).
+DEEPSPEED_PADS_PARAMETERS: bool = DEEPSPEED_VERSION in PARAMETER_ALIGNMENT_OPTION
 
 
 def check_deepspeed_supported(version: Version = DEEPSPEED_VERSION) -> None:

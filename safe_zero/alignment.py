@@ -29,7 +29,9 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS, DEEPSPEED_VERSION, UNPADDED_ALL_REDUCE_FETCH
 from safe_zero.errors import AlignmentError, AlignmentWarning  # noqa: F401  (re-exported)
+from safe_zero.options import zero_stage
 
 ALIGNMENT_BYTES = 16
 
@@ -177,12 +179,6 @@ def plan_for(session: Any) -> AlignmentPlan:
     return getattr(session, "alignment", NO_PLAN)
 
 
-def _deepspeed_has_parameter_alignment() -> bool:
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    return "parameter_alignment" in DeepSpeedZeroConfig.model_fields
-
-
 def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, session: Any) -> dict[str, Any] | None:
     """Decide alignment for one initialize call; return an adjusted copy of ``config``, or ``None`` to leave it as is.
 
@@ -197,7 +193,7 @@ def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, se
     options = session.options
     params = grouped_mm_parameters(model) if isinstance(model, nn.Module) else {}
     zero = dict((config or {}).get("zero_optimization") or {})
-    stage = int(zero.get("stage", 0) or 0)
+    stage = zero_stage(config)
     user_alignment = zero.get("parameter_alignment")
 
     opted_out = None
@@ -227,7 +223,7 @@ def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, se
             AlignmentWarning, stacklevel=3)
     if not active or config is None or stage not in (1, 2) or user_alignment is not None:
         return None
-    if not _deepspeed_has_parameter_alignment():
+    if not DEEPSPEED_PADS_PARAMETERS:
         return None  # < 0.19.7: safe_zero's ZeRO-1/2 subclass lays the buffer out itself
     adjusted = copy.deepcopy(dict(config))
     adjusted.setdefault("zero_optimization", {})["parameter_alignment"] = True
@@ -237,8 +233,6 @@ def prepare_config(model: nn.Module | None, config: Mapping[str, Any] | None, se
 def _tight_all_reduce_fetch(zero: Mapping[str, Any]) -> bool:
     """Whether the all-reduce fetch path advances by ``ds_numel`` (0.18.9, measured) rather than by the
     ``ds_numel_aligned`` safe_zero can round (0.19.8); releases in between are treated as the older."""
-    from safe_zero._compat import DEEPSPEED_VERSION, UNPADDED_ALL_REDUCE_FETCH
-
     on = zero.get("stage3_use_all_reduce_for_fetch_params", zero.get("use_all_reduce_for_fetch_params", False))
     return bool(on) and DEEPSPEED_VERSION in UNPADDED_ALL_REDUCE_FETCH
 
@@ -247,6 +241,10 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def padding_bytes(numels: Iterable[int], element_size: int) -> int:

@@ -1,4 +1,6 @@
-"""What every fix declares: its name, the defect, and the DeepSpeed releases that have it (a leaf module)."""
+"""What every fix declares: its name, the defect, and the DeepSpeed releases that have it, and the registry of the
+fixes safe_zero ships (a leaf module, so the options and the session read the registry without importing the fixes,
+which import them)."""
 
 from __future__ import annotations
 
@@ -42,3 +44,15 @@ class Fix:
             return None
         module, _, function = self.probe.partition(":")
         return bool(getattr(importlib.import_module(module), function)())
+
+
+#: Every fix safe_zero ships, by name, in the order ``safe_zero.fixes`` registers them (``safe_zero.FIXES``).
+FIXES: dict[str, Fix] = {}
+
+
+def register(*fixes: Fix) -> dict[str, Fix]:
+    """Add ``fixes`` to :data:`FIXES` and return it; a second fix under a name already taken is an error."""
+    for fix in fixes:
+        if FIXES.setdefault(fix.name, fix) != fix:
+            raise ValueError(f"two fixes are named {fix.name!r}")
+    return FIXES

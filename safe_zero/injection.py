@@ -24,13 +24,14 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero import alignment, leaf_modules, patching, wrappers
-from safe_zero._compat import (DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION, SUPPORTED_DEEPSPEED,
-                               check_deepspeed_supported)
+from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS, SUPPORTED_DEEPSPEED, check_deepspeed_supported
 from safe_zero.errors import (DeepSpeedDriftError, InjectionError, UnreachableModeError,  # noqa: F401  (re-exported)
                               UnsupportedPrecisionError)
-from safe_zero.options import SafeZeroOptions, pass_config, resolve_config
-from safe_zero.patching import swap, swapped
+from safe_zero.fixes import zero3_zero_element_params, zero_element_groups
+from safe_zero.options import SafeZeroOptions, pass_config, resolve_config, zero_stage
+from safe_zero.patching import stock_class, swap, swapped
 from safe_zero.session import Session, made_current
+from safe_zero.zero_init import STOCK_INIT, Init
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Binding:
 
     @property
     def stock(self) -> type:
-        return self.safe.__bases__[-1]
+        return stock_class(self.safe)
 
     def where(self) -> str:
         return f"{self.module}.{self.name}"
@@ -146,10 +147,7 @@ def fixes_the_model_needs(model: Any, config: Mapping[str, Any] | None, session:
     the config) does not pad. A parameter autograd leaves without a gradient, or that only some ranks use, only
     shows in backward; stock fails on it in these modes as it does elsewhere.
     """
-    from safe_zero.fixes import zero3_zero_element_params, zero_element_groups
-
-    zero = (config or {}).get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0) or 0)
+    stage = zero_stage(config)
     needs = []
     empty_fix = zero3_zero_element_params.FIX if stage == 3 else zero_element_groups.FIX
     if isinstance(model, torch.nn.Module) and session.uses(empty_fix):
@@ -162,7 +160,7 @@ def fixes_the_model_needs(model: Any, config: Mapping[str, Any] | None, session:
     plan = alignment.plan_for(session)
     bf16_optimizer = stage == 1 and ((config or {}).get("bf16") or {}).get("enabled") and \
         ((config or {}).get("data_types") or {}).get("grad_accum_dtype") == "fp32"
-    padded_by_deepspeed = stage in (1, 2) and not bf16_optimizer and DEEPSPEED_VERSION in PARAMETER_ALIGNMENT_OPTION
+    padded_by_deepspeed = stage in (1, 2) and not bf16_optimizer and DEEPSPEED_PADS_PARAMETERS
     if plan.active and not padded_by_deepspeed:
         needs.append(f"16-byte alignment of grouped_mm weight(s) {', '.join(list(plan.params)[:3]) or '(alignment: true)'}")
     return needs
@@ -258,8 +256,6 @@ _INSTALLED: dict[str, tuple[Any, Any, Callable[[], None]]] = {}
 def install() -> None:
     """Route every ``deepspeed.initialize`` in this process through :func:`initialize`, and
     ``deepspeed.zero.Init`` to :class:`safe_zero.Init`. Idempotent."""
-    from safe_zero.zero_init import STOCK_INIT, Init
-
     with patching.LOCK:
         if deepspeed.initialize is not _installed_initialize:
             _INSTALLED["initialize"] = (deepspeed, _installed_initialize,

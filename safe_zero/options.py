@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union
 
 from safe_zero.errors import SafeZeroConfigError  # noqa: F401  (re-exported)
+from safe_zero.fix import FIXES
 
 Setting = Union[Literal["auto"], bool]
 
@@ -81,8 +82,6 @@ class SafeZeroOptions:
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> "SafeZeroOptions":
         """Read and validate the block from a whole DeepSpeed config (``None``: defaults)."""
-        from safe_zero.fixes import FIXES
-
         block = (config or {}).get(CONFIG_KEY, {})
         if block is None:
             block = {}
@@ -125,6 +124,11 @@ class SafeZeroOptions:
         return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard,
                    leaf_modules={k: list(v) for k, v in leaf_modules.items()}, optional_modules=tuple(optional),
                    find_unused_parameters=find_unused, module_order_timeout=float(timeout))
+
+
+def zero_stage(config: Mapping[str, Any] | None) -> int:
+    """The ZeRO stage a DeepSpeed config selects (0 where it names none)."""
+    return int(((config or {}).get("zero_optimization") or {}).get("stage", 0) or 0)
 
 
 def _check_setting(where: str, value: Any) -> None:

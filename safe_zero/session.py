@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
 from safe_zero._compat import DEEPSPEED_VERSION
-from safe_zero.fix import Fix
+from safe_zero.fix import FIXES, Fix
 from safe_zero.options import SafeZeroOptions
 from safe_zero.patching import overrides, swapped
 
@@ -57,8 +57,6 @@ class Session:
 
     def describe(self) -> str:
         """One line: which fixes are on, and what they did so far (repeats counted)."""
-        from safe_zero.fixes import FIXES  # the fixes import this module
-
         on = [name for name, fix in FIXES.items() if self.uses(fix)]
         acted = ", ".join(f"{name} ({'; '.join(self._counted(name, what) for what in events)})"
                           for name, events in self.report.items())

@@ -13,12 +13,12 @@ from torch import nn
 
 import safe_zero
 from safe_zero import alignment
+from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 from safe_zero.options import pass_config
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
 from tests.models import OddExperts, TinyGptOss, build, ds_config
 
-HAS_PARAMETER_ALIGNMENT = alignment._deepspeed_has_parameter_alignment()
 
 
 # --- detection ---------------------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_zero12_gets_parameter_alignment_where_deepspeed_has_it(stage):
     adjusted, plan, warned = _prepare(build(OddExperts), config)
     assert plan.active and plan.guard and list(plan.params) == ["experts"] and not warned
     assert "parameter_alignment" not in config["zero_optimization"], "the caller's config must not be mutated"
-    if HAS_PARAMETER_ALIGNMENT:
+    if DEEPSPEED_PADS_PARAMETERS:
         assert adjusted["zero_optimization"]["parameter_alignment"] is True
         assert {k: v for k, v in adjusted.items() if k != "zero_optimization"} == \
             {k: v for k, v in config.items() if k != "zero_optimization"}
@@ -112,7 +112,8 @@ def test_alignment_true_pads_without_detection_and_guard_can_be_turned_off():
     config["safe_zero"] = {"alignment": True, "alignment_guard": False}
     adjusted, plan, _ = _prepare(nn.Linear(3, 3), config)
     assert plan.active and plan.everything and not plan.guard
-    assert (adjusted is not None and adjusted["zero_optimization"]["parameter_alignment"]) or not HAS_PARAMETER_ALIGNMENT
+    assert (adjusted is not None and adjusted["zero_optimization"]["parameter_alignment"]) or \
+        not DEEPSPEED_PADS_PARAMETERS
 
 
 def test_alignment_false_is_respected_with_a_warning_naming_the_consequence():
@@ -124,7 +125,7 @@ def test_alignment_false_is_respected_with_a_warning_naming_the_consequence():
     assert "expected data_ptr to be aligned to 16 bytes" in warned[0]
 
 
-@pytest.mark.skipif(not HAS_PARAMETER_ALIGNMENT, reason="zero_optimization.parameter_alignment is new in 0.19.7")
+@pytest.mark.skipif(not DEEPSPEED_PADS_PARAMETERS, reason="zero_optimization.parameter_alignment is new in 0.19.7")
 def test_a_user_parameter_alignment_setting_is_kept():
     off = ds_config(2, parameter_alignment=False)
     adjusted, plan, warned = _prepare(build(OddExperts), off)
@@ -179,7 +180,7 @@ def test_a_config_file_gets_alignment_too(ranks, tmp_path, via_args):
     path.write_text(json.dumps(ds_config(2)))
     (r,) = ranks.run(1, _initialize_from_path, path=str(path), via_args=via_args)
     assert r["offset"] == 0 and r["args_untouched"] and r["report"]
-    assert r["parameter_alignment"] is (True if HAS_PARAMETER_ALIGNMENT else None)
+    assert r["parameter_alignment"] is (True if DEEPSPEED_PADS_PARAMETERS else None)
     assert json.loads(path.read_text()) == ds_config(2), "the file is not rewritten"
 
 

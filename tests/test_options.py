@@ -67,10 +67,10 @@ def test_every_fix_declares_a_version_range_inside_the_supported_one():
 
 
 def test_the_parameter_alignment_constant_matches_this_deepspeeds_config():
-    """PARAMETER_ALIGNMENT_OPTION is what the doctor reports and the tests skip by: it must match the real config."""
+    """DEEPSPEED_PADS_PARAMETERS (from PARAMETER_ALIGNMENT_OPTION) is what safe_zero, the doctor and the tests decide
+    by: it must match the real config."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
+    from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 
-    has_option = "parameter_alignment" in DeepSpeedZeroConfig.model_fields
-    assert has_option == (DEEPSPEED_VERSION in PARAMETER_ALIGNMENT_OPTION)
+    assert DEEPSPEED_PADS_PARAMETERS == ("parameter_alignment" in DeepSpeedZeroConfig.model_fields)

@@ -21,9 +21,9 @@ ROUTES = ["stage1", "stage2", "bf16_optimizer"]
 
 
 def _has_parameter_alignment() -> bool:
-    from safe_zero.alignment import _deepspeed_has_parameter_alignment
+    from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 
-    return _deepspeed_has_parameter_alignment()
+    return DEEPSPEED_PADS_PARAMETERS
 
 
 def _universal(ckpt: str, tag: str) -> str:
@@ -306,7 +306,7 @@ def _strip_flat_names(ckpt: str, tag: str) -> None:
 
     import torch.distributed as dist
 
-    from safe_zero.fixes.grouped_mm_alignment import FLAT_NAMES_KEY
+    from safe_zero.checkpoint_layout import FLAT_NAMES_KEY
 
     if dist.get_rank() == 0:
         for path in glob.glob(f"{ckpt}/{tag}/*optim_states.pt"):

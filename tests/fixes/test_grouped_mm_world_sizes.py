@@ -288,9 +288,9 @@ def _parameter_alignment_body(safe: bool) -> dict:
 
 
 def test_parameter_alignment_true_is_honoured_on_the_bf16_optimizer_route(ranks):
-    from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
+    from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 
-    if DEEPSPEED_VERSION not in PARAMETER_ALIGNMENT_OPTION:
+    if not DEEPSPEED_PADS_PARAMETERS:
         pytest.skip("zero_optimization.parameter_alignment is new in DeepSpeed 0.19.7")
     stock, = ranks.run(1, _parameter_alignment_body, safe=False)
     safe, = ranks.run(1, _parameter_alignment_body, safe=True)
