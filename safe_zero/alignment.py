@@ -66,7 +66,7 @@ def _shape(param: torch.Tensor) -> torch.Size:
 
 
 def _experts_forward_code() -> Any:
-    """The code object of the forward that ``@use_experts_implementation`` installs (shared by every decorated class)."""
+    """The code object of the forward ``@use_experts_implementation`` installs (shared by every decorated class)."""
     try:
         from transformers.integrations.moe import use_experts_implementation
     except Exception:  # transformers missing, or too old to have the decorator
@@ -146,7 +146,7 @@ class AlignmentPlan:
         return id(param) in self._names
 
     def misaligned(self) -> list[tuple[str, int]]:
-        """``(name, data_ptr() % 16)`` of each detected weight that is off the grid now (ZeRO-3: partitioned ones skipped)."""
+        """``(name, data_ptr() % 16)`` of each detected weight off the grid now (ZeRO-3: partitioned ones skipped)."""
         off = []
         for name, param in self.params.items():
             if param.numel() and not is_aligned(param):

@@ -56,7 +56,8 @@ BINDINGS: tuple[Binding, ...] = (
     Binding("deepspeed.runtime.engine", "BF16_Optimizer", wrappers.SafeBF16_Optimizer),
     Binding("deepspeed.runtime.engine", "DeepSpeedZeroOptimizer", wrappers.SafeDeepSpeedZeroOptimizer),
     Binding("deepspeed.runtime.engine", "DeepSpeedZeRoOffload", wrappers.SafeDeepSpeedZeRoOffload),
-    Binding("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", wrappers.SafeDeepSpeedZeroOptimizer_Stage3),
+    Binding("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3",
+            wrappers.SafeDeepSpeedZeroOptimizer_Stage3),
     Binding("deepspeed.runtime.zero.stage3", "DeepSpeedZeRoOffload", wrappers.SafeDeepSpeedZeRoOffload),
     Binding("deepspeed.runtime.zero.parameter_offload", "PartitionedParameterCoordinator",
             wrappers.SafePartitionedParameterCoordinator),
@@ -162,7 +163,8 @@ def fixes_the_model_needs(model: Any, config: Mapping[str, Any] | None, session:
         ((config or {}).get("data_types") or {}).get("grad_accum_dtype") == "fp32"
     padded_by_deepspeed = stage in (1, 2) and not bf16_optimizer and DEEPSPEED_PADS_PARAMETERS
     if plan.active and not padded_by_deepspeed:
-        needs.append(f"16-byte alignment of grouped_mm weight(s) {', '.join(list(plan.params)[:3]) or '(alignment: true)'}")
+        named = ", ".join(list(plan.params)[:3]) or "(alignment: true)"
+        needs.append(f"16-byte alignment of grouped_mm weight(s) {named}")
     return needs
 
 

@@ -81,30 +81,15 @@ class SafeZeroOptions:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> "SafeZeroOptions":
-        """Read and validate the block from a whole DeepSpeed config (``None``: defaults)."""
-        block = (config or {}).get(CONFIG_KEY, {})
-        if block is None:
-            block = {}
-        if not isinstance(block, Mapping):
-            raise SafeZeroConfigError(f'"{CONFIG_KEY}" must be an object, got {type(block).__name__}')
-        allowed = {"fixes", "alignment", "alignment_guard", "leaf_modules", "optional_modules", "find_unused_parameters",
-                   "module_order_timeout"}
-        unknown = set(block) - allowed
-        if unknown:
-            raise SafeZeroConfigError(f'unknown key(s) {sorted(unknown)} in "{CONFIG_KEY}"; allowed: {sorted(allowed)}')
+        """Read and validate the block from a whole DeepSpeed config (``None``: defaults).
 
-        fixes = block.get("fixes", {}) or {}
-        if not isinstance(fixes, Mapping):
-            raise SafeZeroConfigError(f'"{CONFIG_KEY}.fixes" must map fix names to "auto", true or false')
-        for name, setting in fixes.items():
-            if name not in FIXES:
-                raise SafeZeroConfigError(f'unknown fix {name!r} in "{CONFIG_KEY}.fixes"; known fixes: {sorted(FIXES)}')
-            _check_setting(f"{CONFIG_KEY}.fixes.{name}", setting)
+        Raises:
+            SafeZeroConfigError: a key or value the block does not allow, saying what it allows.
+        """
+        block = _block(config)
+        fixes = _fixes(block)
         alignment = block.get("alignment", "auto")
         _check_setting(f"{CONFIG_KEY}.alignment", alignment)
-        guard = block.get("alignment_guard", True)
-        if not isinstance(guard, bool):
-            raise SafeZeroConfigError(f'"{CONFIG_KEY}.alignment_guard" must be true or false, got {guard!r}')
         leaf_modules = block.get("leaf_modules", {}) or {}
         if not isinstance(leaf_modules, Mapping) or set(leaf_modules) - {"add", "remove"} or not all(
                 isinstance(v, list) and all(isinstance(c, str) for c in v) for v in leaf_modules.values()):
@@ -114,16 +99,49 @@ class SafeZeroOptions:
         if not isinstance(optional, list) or not all(isinstance(name, str) for name in optional):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.optional_modules" must be a list of module names or class '
                                       f'names, got {optional!r}')
-        find_unused = block.get("find_unused_parameters", True)
-        if not isinstance(find_unused, bool):
-            raise SafeZeroConfigError(f'"{CONFIG_KEY}.find_unused_parameters" must be true or false, got {find_unused!r}')
         timeout = block.get("module_order_timeout", 300.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.module_order_timeout" must be a number of seconds > 0, '
                                       f"got {timeout!r}")
-        return cls(fixes=dict(fixes), alignment=alignment, alignment_guard=guard,
+        return cls(fixes=fixes, alignment=alignment, alignment_guard=_flag(block, "alignment_guard"),
                    leaf_modules={k: list(v) for k, v in leaf_modules.items()}, optional_modules=tuple(optional),
-                   find_unused_parameters=find_unused, module_order_timeout=float(timeout))
+                   find_unused_parameters=_flag(block, "find_unused_parameters"),
+                   module_order_timeout=float(timeout))
+
+
+_KEYS = ("fixes", "alignment", "alignment_guard", "leaf_modules", "optional_modules", "find_unused_parameters",
+         "module_order_timeout")
+
+
+def _block(config: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    block = (config or {}).get(CONFIG_KEY, {})
+    if block is None:
+        return {}
+    if not isinstance(block, Mapping):
+        raise SafeZeroConfigError(f'"{CONFIG_KEY}" must be an object, got {type(block).__name__}')
+    unknown = set(block) - set(_KEYS)
+    if unknown:
+        raise SafeZeroConfigError(f'unknown key(s) {sorted(unknown)} in "{CONFIG_KEY}"; allowed: {sorted(_KEYS)}')
+    return block
+
+
+def _fixes(block: Mapping[str, Any]) -> dict[str, Any]:
+    fixes = block.get("fixes", {}) or {}
+    if not isinstance(fixes, Mapping):
+        raise SafeZeroConfigError(f'"{CONFIG_KEY}.fixes" must map fix names to "auto", true or false')
+    for name, setting in fixes.items():
+        if name not in FIXES:
+            raise SafeZeroConfigError(f'unknown fix {name!r} in "{CONFIG_KEY}.fixes"; known fixes: {sorted(FIXES)}')
+        _check_setting(f"{CONFIG_KEY}.fixes.{name}", setting)
+    return dict(fixes)
+
+
+def _flag(block: Mapping[str, Any], key: str) -> bool:
+    """A true/false key whose default is true."""
+    value = block.get(key, True)
+    if not isinstance(value, bool):
+        raise SafeZeroConfigError(f'"{CONFIG_KEY}.{key}" must be true or false, got {value!r}')
+    return value
 
 
 def zero_stage(config: Mapping[str, Any] | None) -> int:

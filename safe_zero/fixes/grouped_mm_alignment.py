@@ -129,7 +129,8 @@ class AlignFlatGroups(RecordsFlatOrder):
         plan = plan_for(session)
         route = stock_class(type(self)).__name__
         if plan.active and kwargs.get("parameter_alignment", False):
-            session.engaged(FIX, f"{route}: DeepSpeed pads parameter boundaries (zero_optimization.parameter_alignment) "
+            session.engaged(FIX, f"{route}: DeepSpeed pads parameter boundaries "
+                                 "(zero_optimization.parameter_alignment) "
                                  f"for {len(plan.params)} grouped_mm weight(s)")
         elif plan.active and init_optimizer is not None:
             moved = 0
