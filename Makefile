@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR := cpu
 
-.PHONY: demo test test-main test-legacy test-newest test-floor lock bench matrix clean
+.PHONY: demo test lint test-main test-legacy test-newest test-floor lock bench matrix clean
 
 # One JIT build cache per venv: DeepSpeed builds its CPU comm op under the same name for every release.
 run_pytest = TORCH_EXTENSIONS_DIR=$(abspath $(1))/torch_extensions $(1)/bin/python -m pytest -q $(PYTEST_ARGS)
@@ -39,7 +39,12 @@ $(VENV_LEGACY)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m safe_zero demo
 
-test: test-main test-legacy
+test: lint test-main test-legacy
+
+# ruff (pycodestyle, pyflakes, complexity <= 10) and mypy on the public API; settings in pyproject.toml.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/mypy
 
 test-main: $(VENV)/.installed
 	$(call run_pytest,$(VENV))

@@ -103,7 +103,8 @@ def test_an_untested_floor_is_not_called_tested():
 
 def test_an_integration_refuses_a_framework_older_than_its_floor(monkeypatch):
     monkeypatch.setattr(versions, "installed_version", lambda name: {"accelerate": "0.34.2"}.get(name))
-    with pytest.raises(UnsupportedVersionError, match=r"needs accelerate>=1\.0 but found 0\.34\.2.*safe-zero\[accelerate\]"):
+    refusal = r"needs accelerate>=1\.9\.0 but found 0\.34\.2.*safe-zero\[accelerate\]"
+    with pytest.raises(UnsupportedVersionError, match=refusal):
         versions.require("accelerate", "safe_zero.accelerate")
     assert isinstance(UnsupportedVersionError("x"), ImportError)
     versions.require("lightning", "safe_zero.lightning")  # not installed (per the stand-in): nothing to refuse

@@ -51,7 +51,8 @@ not show: seen in the first backward, the agreement stays; begun later, every ra
 update with what to do.
 
 ``"find_unused_parameters": false`` (DDP's default contract: every rank uses every parameter) drops the
-all-reduce and checks, locally at the epilogue, that every trainable parameter's hook fired (``UnusedParameterError`` if not). Inside DeepSpeed's ``coalesce_grad_reduction``
+all-reduce and checks, locally at the epilogue, that every trainable parameter's hook fired
+(``UnusedParameterError`` if not). Inside DeepSpeed's ``coalesce_grad_reduction``
 (0.19.x) the hooks do not reduce; the flush at the block's exit does, for the parameters that have a gradient on
 that rank. There every trainable parameter without one gets a zero gradient at the end of each backward, so every
 rank flushes the same parameters, without a collective.
@@ -135,7 +136,8 @@ class Agreement:
         self._pending = []
         for group, params in params_by_group:
             if params:
-                flags = torch.tensor(_reached(params), dtype=torch.uint8, device=get_accelerator().current_device_name())
+                device = get_accelerator().current_device_name()
+                flags = torch.tensor(_reached(params), dtype=torch.uint8, device=device)
                 work = dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True)
                 self._pending.append((params, flags, work))
 
