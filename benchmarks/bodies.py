@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -34,6 +37,153 @@ class WithEmpty(nn.Module):
         return self.body(x) + sum(e(x).sum() for e in self.empties)
 
 
+class Expert(nn.Module):
+    """A bias-free gated MLP, as in Mixtral/Qwen-MoE experts: 3 tensors."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, inner, bias=False)
+        self.up = nn.Linear(hidden, inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class MoEBlock(nn.Module):
+    """A router and an ``experts`` ``nn.ModuleList`` (safe_zero makes this a ZeRO-3 leaf module).
+
+    ``rank_dependent``: rank r runs only the experts e with e % world_size == r, so each rank uses other
+    experts (the case stock ZeRO-1/2 reduces into each other and stock ZeRO-3 cannot gather); otherwise every
+    rank runs every expert, weighted by the router (every rank uses every parameter).
+    """
+
+    def __init__(self, hidden: int, experts: int, inner: int, rank_dependent: bool) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden, inner) for _ in range(experts))
+        self.chosen = list(range(experts))
+        if rank_dependent:
+            import torch.distributed as dist
+
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            self.chosen = [e for e in range(experts) if e % world == rank]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.router(x), dim=-1)
+        out = torch.zeros_like(x)
+        for e in self.chosen:
+            out = out + weights[..., e:e + 1] * self.experts[e](x)
+        return out
+
+
+class MoELayer(nn.Module):
+    def __init__(self, hidden: int, experts: int, inner: int, rank_dependent: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.moe = MoEBlock(hidden, experts, inner, rank_dependent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class MoEModel(nn.Module):
+    """Layers of a LayerNorm and an MoE block: 3 + 3 x experts trainable tensors per layer, hidden 16.
+
+    Tiny tensors, so a step is dominated by per-tensor overhead: the case where safe_zero's per-hook code shows.
+    """
+
+    def __init__(self, tensors: int, rank_dependent: bool = False, hidden: int = 16, inner: int = 32) -> None:
+        super().__init__()
+        experts = 8 if tensors < 5000 else 32
+        layers = max(1, round(tensors / (3 + 3 * experts)))
+        self.layers = nn.ModuleList(MoELayer(hidden, experts, inner, rank_dependent) for _ in range(layers))
+        self.hidden = hidden
+        self.shape = f"{layers} layers x (LayerNorm + router + {experts} experts x 3), hidden {hidden}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+    def example(self) -> torch.Tensor:
+        return torch.randn(8, self.hidden)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: 2 LayerNorms, q/k/v/o projections and a 2-layer MLP, all with bias: 16 tensors."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        attention = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        x = x + self.o(attention @ v)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class Transformer(nn.Module):
+    """Transformer-shaped: blocks of 16 tensors and a final LayerNorm, hidden 16 (tiny tensors, many of them)."""
+
+    def __init__(self, tensors: int, hidden: int = 16) -> None:
+        super().__init__()
+        blocks = max(1, round((tensors - 2) / 16))
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(blocks))
+        self.norm = nn.LayerNorm(hidden)
+        self.hidden = hidden
+        self.shape = f"{blocks} blocks x (2 LayerNorms + q/k/v/o + MLP) + LayerNorm, hidden {hidden}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x).pow(2).mean()
+
+    def example(self) -> torch.Tensor:
+        return torch.randn(2, 4, self.hidden)
+
+
+#: The models the benchmark bodies take by name; ``tensors`` sizes the scaled ones (their trainable tensor count).
+MODELS = {
+    "wide": lambda tensors: Wide(),
+    "moe": lambda tensors: MoEModel(tensors),
+    "moe_rank_dependent": lambda tensors: MoEModel(tensors, rank_dependent=True),
+    "transformer": lambda tensors: Transformer(tensors),
+}
+
+
+def build(model: str = "wide", tensors: int = 0) -> nn.Module:
+    """``model`` from seed 0."""
+    torch.manual_seed(0)
+    return MODELS[model](tensors)
+
+
+def example_input(module: nn.Module) -> torch.Tensor:
+    """The model's input in bf16 (``Wide``: 8 x 256, drawn after the engines are built, as always)."""
+    example = getattr(module, "example", None)
+    return (example() if example is not None else torch.randn(8, 256)).to(torch.bfloat16)
+
+
+def trainable_tensors(module: nn.Module) -> int:
+    return sum(1 for p in module.parameters() if p.requires_grad)
+
+
+def describe(model: str, tensors: int = 0) -> dict[str, Any]:
+    """The model's shape and trainable tensor count (built on CPU, no engine): for the tables and the tests."""
+    module = MODELS[model](tensors)
+    described = {"shape": getattr(module, "shape", "4 x Linear(256, 256)"), "tensors": trainable_tensors(module),
+                 "elements": sum(p.numel() for p in module.parameters() if p.requires_grad)}
+    blocks = [m for m in module.modules() if isinstance(m, MoEBlock)]
+    if blocks:  # the experts this rank runs (on a rank of a pool: rank-dependent where the model is)
+        described["experts_run"] = blocks[0].chosen
+        described["moe_blocks"] = len(blocks)
+    return described
+
+
 def _config(stage: int, options: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "steps_per_print": 10**9,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -48,14 +198,22 @@ def _engine(model: nn.Module, stage: int, safe: bool | dict[str, Any]) -> Any:
     import safe_zero
 
     init = safe_zero.initialize if safe is not False else deepspeed.initialize
+    if safe is False and stage == 3:
+        # What a stock user does for an experts ModuleList (safe_zero detects it): gather the MoE block whole.
+        from deepspeed.utils import set_z3_leaf_module
+
+        for module in model.modules():
+            if isinstance(getattr(module, "experts", None), nn.ModuleList):
+                set_z3_leaf_module(module, True)
     options = safe if isinstance(safe, dict) else None
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=_config(stage, options))
     return engine
 
 
 def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tuple[Any, Any] = (False, True),
-                        b_built_first: bool = False) -> list[tuple[float, float]]:
-    """``(a, b)`` seconds of ``pairs`` training steps of ``Wide``, taken alternately on two engines.
+                        b_built_first: bool = False, model: str = "wide",
+                        tensors: int = 0) -> list[tuple[float, float]]:
+    """``(a, b)`` seconds of ``pairs`` training steps of ``model`` (``MODELS``), taken alternately on two engines.
 
     ``safe`` says which of engines a and b run safe_zero: ``(False, True)`` compares stock with
     safe_zero, ``(False, False)`` is the A/A control that shows the harness's noise. Both engines
@@ -65,11 +223,17 @@ def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tupl
     """
     import torch.distributed as dist
 
+    with _threads_for(model):
+        return _paired_step_seconds(stage, pairs, warmup, safe, b_built_first, model, tensors, dist)
+
+
+def _paired_step_seconds(stage: int, pairs: int, warmup: int, safe: tuple[Any, Any], b_built_first: bool,
+                         model: str, tensors: int, dist: Any) -> list[tuple[float, float]]:
     engines = {}
     for which in ("b", "a") if b_built_first else ("a", "b"):
-        torch.manual_seed(0)
-        engines[which] = _engine(Wide(), stage, safe["ab".index(which)])
-    x = torch.randn(8, 256).to(torch.bfloat16)
+        module = build(model, tensors)
+        engines[which] = _engine(module, stage, safe["ab".index(which)])
+    x = example_input(module)
 
     def timed_step(which: str) -> float:
         dist.barrier()
@@ -89,30 +253,155 @@ def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tupl
     return times
 
 
-def safe_zero_share(stage: int, steps: int = 30, warmup: int = 3) -> dict[str, float]:
+@contextlib.contextmanager
+def _threads_for(model: str) -> Iterator[None]:
+    """The scaled models run with one intra-op thread per rank (2 ranks share 2 cores, and their tensors are tiny);
+    ``Wide`` keeps torch's default, as its rows always had."""
+    if model == "wide":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _step(engine: Any, x: torch.Tensor) -> None:
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()
+
+
+def _ours(filename: str) -> str | None:
+    """``filename`` relative to the safe_zero package, or ``None`` when it is not safe_zero's."""
+    import safe_zero
+
+    root = os.path.dirname(os.path.abspath(safe_zero.__file__)) + os.sep
+    return filename[len(root):] if filename.startswith(root) else None
+
+
+def safe_zero_share(stage: int, steps: int = 30, warmup: int = 3, model: str = "wide", tensors: int = 0,
+                    top: int = 12) -> dict[str, Any]:
     """Under cProfile, the share of a safe_zero step spent in safe_zero's own functions, and their calls per step.
 
     An upper bound on what safe_zero's Python adds (the profiler inflates Python calls, not kernels),
-    and a count that does not depend on the machine's load.
+    and a count that does not depend on the machine's load. ``functions``: safe_zero's ``top`` functions by calls,
+    each with its calls per step and its own time's share of the step.
     """
+    with _threads_for(model):
+        module = build(model, tensors)
+        engine = _engine(module, stage, True)
+        x = example_input(module)
+        for _ in range(warmup):
+            _step(engine, x)
+        return _profiled(engine, x, steps, trainable_tensors(module), top)
+
+
+def _profiled(engine: Any, x: torch.Tensor, steps: int, tensors: int, top: int = 12) -> dict[str, Any]:
     import cProfile
     import pstats
 
-    torch.manual_seed(0)
-    engine = _engine(Wide(), stage, True)
-    x = torch.randn(8, 256).to(torch.bfloat16)
-    for i in range(warmup + steps):
-        if i == warmup:
-            profile = cProfile.Profile()
-            profile.enable()
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        _step(engine, x)
     profile.disable()
     stats = pstats.Stats(profile).stats
-    ours = [v for k, v in stats.items() if "/safe_zero/" in k[0]]
-    return {"share": sum(v[2] for v in ours) / sum(v[2] for v in stats.values()),
-            "calls_per_step": sum(v[1] for v in ours) / steps}
+    total = sum(v[2] for v in stats.values())
+    ours = [(f"{path}:{k[2]}", v) for k, v in stats.items() if (path := _ours(k[0])) is not None]
+    ours.sort(key=lambda item: (-item[1][1], item[0]))
+    return {"share": sum(v[2] for _, v in ours) / total,
+            "calls_per_step": sum(v[1] for _, v in ours) / steps,
+            "profiled_ms_per_step": 1e3 * total / steps, "tensors": tensors, "steps": steps,
+            "functions": [{"function": name, "calls_per_step": v[1] / steps, "share": v[2] / total}
+                          for name, v in ours[:top]]}
+
+
+def _deep_size(obj: Any, seen: set[int]) -> int:
+    """Bytes of ``obj`` and what it holds: containers, ints, strings, safe_zero's own objects and the tensors they
+    made; a parameter (DeepSpeed holds it anyway) counts only as the reference to it."""
+    if id(obj) in seen or isinstance(obj, (nn.Parameter, nn.Module, type)) or callable(obj):
+        return 0
+    if hasattr(obj, "__dict__") and not all(k is object or k.__module__.startswith("safe_zero")
+                                            for k in type(obj).__mro__):
+        return 0  # DeepSpeed's objects (the optimizer, the coordinator) and others: referenced, not held
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes() if obj.device.type == "cpu" else 0
+    size = sys.getsizeof(obj)
+    if isinstance(obj, dict):
+        return size + sum(_deep_size(k, seen) + _deep_size(v, seen) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return size + sum(_deep_size(v, seen) for v in obj)
+    if hasattr(obj, "__dict__"):  # safe_zero's own: the agreement, the order, the walk, the session
+        return size + _deep_size(vars(obj), seen)
+    return size
+
+
+def safe_zero_state_bytes(engine: Any) -> int:
+    """Bytes of the state safe_zero keeps on an engine: every ``_safe_zero_*`` attribute of the engine, its optimizer
+    and (ZeRO-3) its parameter coordinator, deep (``_deep_size``): the agreement and its flags, the reduction order
+    with its module clocks, the walk, the module clock, the module names."""
+    owners = [engine, getattr(engine, "optimizer", None)]
+    offload = getattr(owners[1], "parameter_offload", None)
+    if offload is not None:
+        owners.append(offload.get_param_coordinator())
+    seen: set[int] = set()
+    return sum(_deep_size(value, seen) for owner in owners if owner is not None
+               for name, value in vars(owner).items() if name.startswith("_safe_zero"))
+
+
+def scaled_costs(stage: int, model: str, tensors: int, safe: bool = True, steps: int = 3, profile_steps: int = 5,
+                 top: int = 40) -> dict[str, Any]:
+    """One engine of ``model``, ``steps`` steps counting collectives (``collectives_per_step``) and, for safe_zero,
+    the memory its state holds, then (safe_zero) ``profile_steps`` steps under cProfile (``safe_zero_share``).
+
+    Memory (``safe_zero_state_bytes``): sampled after initialize and, in each step, right before and after the
+    epilogue DeepSpeed calls (``independent_gradient_partition_epilogue``): before it the backward's agreement or
+    walk is live, after it the agreed reduction order. The peak of those samples is reported. The broadcast order
+    tensors are transient: ``collectives`` sizes them.
+    """
+    with _threads_for(model):
+        module = build(model, tensors)
+        engine = _engine(module, stage, safe)
+        x = example_input(module)
+        held = (lambda: safe_zero_state_bytes(engine)) if safe else (lambda: 0)
+        points = {"after initialize": held()}
+        optimizer = engine.optimizer
+        epilogue = optimizer.independent_gradient_partition_epilogue
+        step = [0]
+
+        def sampled_epilogue(*args: Any, **kwargs: Any) -> Any:
+            points[f"step {step[0] + 1}, before the epilogue"] = held()
+            result = epilogue(*args, **kwargs)
+            points[f"step {step[0] + 1}, after the epilogue"] = held()
+            return result
+
+        if safe:
+            optimizer.independent_gradient_partition_epilogue = sampled_epilogue
+        started = time.perf_counter()
+        try:
+            with _counting_collectives() as counts:
+                per_step = []
+                for step[0] in range(steps):
+                    counts.clear()
+                    _step(engine, x)
+                    per_step.append(dict(counts))
+        finally:
+            if safe:
+                del optimizer.independent_gradient_partition_epilogue
+        points["after the last step"] = held()
+        n = trainable_tensors(module)
+        where = max(points, key=points.get)
+        result = {"tensors": n, "collectives": per_step, "counted_steps_seconds": time.perf_counter() - started}
+        if safe:
+            result["memory"] = {"peak_bytes": points[where], "peak_at": where, "bytes_per_tensor": points[where] / n,
+                                "points": points}
+            if profile_steps:
+                result["profile"] = _profiled(engine, x, profile_steps, n, top)
+        return result
 
 
 def all_gathers_per_step(k: int, steps: int = 3) -> list[int]:
@@ -152,23 +441,28 @@ COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "re
                "all_gather_coalesced", "broadcast", "all_to_all_single")
 
 
-def collectives_per_step(stage: int, safe: bool, steps: int = 3) -> list[dict[str, int]]:
-    """Per step: calls of each collective DeepSpeed's comm backend issues on ``Wide`` (every rank uses every parameter).
+def _payload(args: tuple, kwargs: dict) -> int:
+    """Bytes of a collective's first tensor argument (a list of tensors: all of them): what this rank sends."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
+            return sum(t.numel() * t.element_size() for t in value)
+    return 0
 
-    ``all_reduce_bytes`` adds up the bytes those all-reduces carry, to size any collective safe_zero adds.
-    """
+
+@contextlib.contextmanager
+def _counting_collectives() -> Iterator[dict[str, int]]:
+    """Counts, in the yielded dict, each collective DeepSpeed's comm backend issues, and ``<name>_bytes``: the bytes
+    of its first tensor argument (an all_gather's output list, an all_reduce's or broadcast's tensor)."""
     from deepspeed.comm import comm
 
-    torch.manual_seed(0)
-    engine = _engine(Wide(), stage, safe=safe)
-    step: dict[str, int] = {}
+    counts: dict[str, int] = {}
 
     def counting(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            step[name] = step.get(name, 0) + 1
-            if name == "all_reduce":
-                tensor = kwargs.get("tensor", args[0] if args else None)
-                step["all_reduce_bytes"] = step.get("all_reduce_bytes", 0) + tensor.numel() * tensor.element_size()
+            counts[name] = counts.get(name, 0) + 1
+            counts[f"{name}_bytes"] = counts.get(f"{name}_bytes", 0) + _payload(args, kwargs)
             return fn(*args, **kwargs)
         return wrapper
 
@@ -176,15 +470,24 @@ def collectives_per_step(stage: int, safe: bool, steps: int = 3) -> list[dict[st
     for name in names:
         setattr(comm.cdb, name, counting(name, getattr(comm.cdb, name)))
     try:
-        x = torch.randn(8, 256).to(torch.bfloat16)
-        per_step = []
-        for _ in range(steps):
-            step.clear()
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-            per_step.append(dict(step))
+        yield counts
     finally:
         for name in names:
             delattr(comm.cdb, name)
-    return per_step
+
+
+def collectives_per_step(stage: int, safe: bool, steps: int = 3, model: str = "wide",
+                         tensors: int = 0) -> list[dict[str, int]]:
+    """Per step: calls of each collective DeepSpeed's comm backend issues on ``model`` (``Wide``: every rank uses
+    every parameter), and the bytes of each kind (``<name>_bytes``), to size any collective safe_zero adds."""
+    with _threads_for(model):
+        module = build(model, tensors)
+        engine = _engine(module, stage, safe=safe)
+        x = example_input(module)
+        per_step = []
+        with _counting_collectives() as counts:
+            for _ in range(steps):
+                counts.clear()
+                _step(engine, x)
+                per_step.append(dict(counts))
+        return per_step

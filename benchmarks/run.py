@@ -3,12 +3,21 @@
 Writes ``benchmarks/RESULTS.md`` (a Markdown table) and ``benchmarks/results.json``. Targets:
 step-time ratio safe/stock <= 1.01 (median of per-step-pair ratios: a stock and a safe_zero engine
 in the same 2 CPU ranks, stepping alternately, each built first in one of two runs; the same harness
-with two stock engines gives the noise floor, and cProfile the share of the step in safe_zero's code); all-gathers per step with K all-zero-sized submodules equal to K = 0; alignment
+with two stock engines gives the noise floor, and cProfile the share of the step in safe_zero's code); all-gathers
+per step with K all-zero-sized submodules equal to K = 0; alignment
 padding <= 15 bytes per parameter; ``import safe_zero`` after ``import deepspeed`` <= 50 ms.
+
+Scaled models (issue 26): ``moe`` (an experts ``nn.ModuleList`` per layer, also rank-dependent) and ``transformer``
+at about 1,000 and 20,000 trainable tensors (``CI=true``: about 200), ZeRO-2 and ZeRO-3: step ratio and its
+stock/stock floor, safe_zero's calls per tensor by function, collectives, first-step bytes and the state safe_zero
+keeps. ``--only scaled --sizes 1000`` re-measures part of it, ``--record LABEL`` keeps a run's scaled rows in
+RESULTS.md, ``--render`` rewrites RESULTS.md from results.json.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import platform
@@ -16,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -27,20 +37,35 @@ from safe_zero.ranks import DistPool  # noqa: E402
 
 PAIRS = 100
 
+#: Under CI=true the scaled models shrink to about 200 trainable tensors, to keep the run short.
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: The scaled models (``bodies.MODELS``): measured in full. ``moe_rank_dependent`` (each rank runs other experts)
+#: gets its step ratio, noise floor and calls per tensor, at 1,000 tensors and less.
+SCALED_MODELS = ("moe", "transformer", "moe_rank_dependent")
+SCALED_SIZES = (200,) if CI else (1000, 20000)
+#: Step pairs per run (two runs per ratio, a-first and b-first), and steps under cProfile, by size: a 20,000-tensor
+#: ZeRO-3 step takes many seconds on 2 CPU cores.
+SCALED_PAIRS = {200: 10, 1000: 10, 20000: 2}
+SCALED_WARMUP = {200: 2, 1000: 2, 20000: 1}
+PROFILE_STEPS = {200: 5, 1000: 5, 20000: 2}
+SCALED_TIMEOUT = 3 * 3600.0
+RESULTS_JSON = os.path.join(ROOT, "benchmarks", "results.json")
+
 
 #: safe_zero with the rank agreement off: every rank promises to use every parameter (DDP's default contract).
 NO_AGREEMENT = {"find_unused_parameters": False}
 
 
-def _median_ratio(pool: DistPool, stage: int, safe: tuple) -> tuple[float, list[float], list[float]]:
+def _median_ratio(pool: DistPool, stage: int, safe: tuple, pairs: int = PAIRS,
+                  **model: Any) -> tuple[float, list[float], list[float]]:
     """Median of b/a over per-step pairs, from two runs (a built first, b built first)."""
     ratios, a_s, b_s = [], [], []
     for b_built_first in (False, True):
-        per_rank = pool.run(bodies.paired_step_seconds, stage=stage, pairs=PAIRS, safe=safe,
-                            b_built_first=b_built_first)
+        per_rank = pool.run(bodies.paired_step_seconds, stage=stage, pairs=pairs, safe=safe,
+                            b_built_first=b_built_first, timeout=SCALED_TIMEOUT, **model)
         # A step is as slow as its slowest rank: combine the ranks per step, then compare within each pair.
-        a = [max(rank[i][0] for rank in per_rank) for i in range(PAIRS)]
-        b = [max(rank[i][1] for rank in per_rank) for i in range(PAIRS)]
+        a = [max(rank[i][0] for rank in per_rank) for i in range(pairs)]
+        b = [max(rank[i][1] for rank in per_rank) for i in range(pairs)]
         ratios += [y / x for x, y in zip(a, b)]
         a_s += a
         b_s += b
@@ -55,6 +80,38 @@ def step_time_ratio(pool: DistPool, stage: int) -> dict:
     return {"median_ratio": ratio, "no_agreement_ratio": no_agreement, "stock_ms": 1e3 * statistics.median(stock_s),
             "safe_ms": 1e3 * statistics.median(safe_s), "pairs": 2 * PAIRS, "stock_vs_stock_ratio": noise,
             "safe_zero_profiled_share": share["share"], "safe_zero_calls_per_step": share["calls_per_step"]}
+
+
+def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int | None = None) -> dict:
+    """One scaled model at one stage: collectives (first and later steps, stock and safe_zero), the memory safe_zero's
+    code holds, safe_zero's calls per tensor under cProfile, then the step ratio and its stock/stock noise floor."""
+    row: dict[str, Any] = {"model": model, "size": tensors, "stage": stage, **bodies.describe(model, tensors),
+                           "load": os.getloadavg()[0]}
+    started = time.time()
+    if model != "moe_rank_dependent":
+        safe = pool.run(bodies.scaled_costs, stage=stage, model=model, tensors=tensors, safe=True,
+                        profile_steps=PROFILE_STEPS[tensors], timeout=SCALED_TIMEOUT)
+        stock = pool.run(bodies.scaled_costs, stage=stage, model=model, tensors=tensors, safe=False,
+                         timeout=SCALED_TIMEOUT)
+        row["collectives"] = {"stock": stock[0]["collectives"], "safe_zero": safe[0]["collectives"]}
+        row["collectives_agree_across_ranks"] = all(r["collectives"] == safe[0]["collectives"] for r in safe)
+        row["memory"] = max((r["memory"] for r in safe), key=lambda m: m["peak_bytes"])
+        row["profile"] = max((r["profile"] for r in safe), key=lambda p: p["share"])
+    else:
+        row["profile"] = max(pool.run(bodies.safe_zero_share, stage=stage, model=model, tensors=tensors,
+                                      steps=PROFILE_STEPS[tensors], warmup=SCALED_WARMUP[tensors],
+                                      timeout=SCALED_TIMEOUT), key=lambda p: p["share"])
+    pairs, warmup = SCALED_PAIRS[tensors] if pairs is None else pairs, SCALED_WARMUP[tensors]
+    if not pairs:
+        row["seconds"] = round(time.time() - started, 1)
+        return row
+    ratio, stock_s, safe_s = _median_ratio(pool, stage, (False, True), pairs, model=model, tensors=tensors,
+                                           warmup=warmup)
+    noise, _, _ = _median_ratio(pool, stage, (False, False), pairs, model=model, tensors=tensors, warmup=warmup)
+    row.update(median_ratio=ratio, stock_vs_stock_ratio=noise, pairs=2 * pairs,
+               stock_ms=1e3 * statistics.median(stock_s),
+               safe_ms=1e3 * statistics.median(safe_s), seconds=round(time.time() - started, 1))
+    return row
 
 
 def import_ms(repeats: int = 5) -> float:
@@ -92,45 +149,112 @@ def alignment_overhead() -> list[dict] | None:
     return rows
 
 
-def main() -> int:
-    started = time.time()
-    pool = DistPool(2)
+def _load() -> dict:
     try:
-        results = {
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, CPU/gloo, 2 ranks, "
-                       f"load average {os.getloadavg()[0]:.1f} at start",
-            "step_time": {f"zero{stage}": step_time_ratio(pool, stage) for stage in (2, 3)},
-            "all_gathers_per_step": {f"k{k}": max(max(r) for r in [pool.run(bodies.all_gathers_per_step, k=k)])
-                                     for k in (0, 4)},
-            # Per step, steps 1-3: the first ZeRO-3 step is the one DeepSpeed records its trace in.
-            "collectives_per_step": {f"zero{stage}": {which: pool.run(bodies.collectives_per_step, stage=stage,
-                                                                      safe=which == "safe_zero")[0]
-                                                      for which in ("stock", "safe_zero")}
-                                     for stage in (2, 3)},
-        }
-    finally:
-        pool.close()
-    results["import_safe_zero_ms"] = import_ms()
-    results["alignment_padding"] = alignment_overhead()
-    results["seconds"] = round(time.time() - started, 1)
-    with open(os.path.join(ROOT, "benchmarks", "results.json"), "w") as f:
+        with open(RESULTS_JSON) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(results: dict) -> None:
+    with open(RESULTS_JSON, "w") as f:
         json.dump(results, f, indent=2)
+
+
+def measure_control(pool: DistPool) -> dict:
+    return {
+        "step_time": {f"zero{stage}": step_time_ratio(pool, stage) for stage in (2, 3)},
+        "all_gathers_per_step": {f"k{k}": max(max(r) for r in [pool.run(bodies.all_gathers_per_step, k=k)])
+                                 for k in (0, 4)},
+        # Per step, steps 1-3: the first ZeRO-3 step is the one DeepSpeed records its trace in.
+        "collectives_per_step": {f"zero{stage}": {which: pool.run(bodies.collectives_per_step, stage=stage,
+                                                                  safe=which == "safe_zero")[0]
+                                                  for which in ("stock", "safe_zero")}
+                                 for stage in (2, 3)},
+    }
+
+
+def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> None:
+    scaled = results.setdefault("scaled", {})
+    for tensors in map(int, args.sizes.split(",")):
+        for model in args.models.split(","):
+            if model == "moe_rank_dependent" and tensors > 1000:
+                continue  # its ratio is checked at the smaller sizes: 20,000 tensors cost minutes per step
+            for stage in map(int, args.stages.split(",")):
+                row = scaled_row(pool, model, tensors, stage, args.pairs)
+                row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+                scaled[f"{model}/{tensors}/zero{stage}"] = row
+                print(json.dumps({k: v for k, v in row.items() if k != "collectives"})[:2000], flush=True)
+                _save(results)  # a long run keeps what it measured so far
+
+
+def main(argv: list[str] | None = None) -> int:
+    global RESULTS_JSON
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("control", "scaled"), help="measure only these rows; the others are "
+                        "kept from benchmarks/results.json")
+    parser.add_argument("--sizes", default=",".join(map(str, SCALED_SIZES)), help="scaled models' tensor counts")
+    parser.add_argument("--models", default=",".join(SCALED_MODELS))
+    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--record", metavar="LABEL", help="also keep this run's scaled rows in RESULTS.md under "
+                        "'LABEL, <date>' (later runs keep it)")
+    parser.add_argument("--pairs", type=int, help="scaled models: step pairs per run (default by size; 0: no ratio)")
+    parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
+                        "--record: keep the scaled rows there under the label)")
+    parser.add_argument("--results", default=RESULTS_JSON, help="the JSON file to read and write")
+    args = parser.parse_args(argv)
+    RESULTS_JSON = args.results
+    started = time.time()
+    results = _load()
+    if not args.render:
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, CPU/gloo, 2 ranks, "
+                   f"load average {os.getloadavg()[0]:.1f} at start")
+        pool = DistPool(2)
+        try:
+            if args.only != "scaled":
+                results.update(machine=machine, **measure_control(pool))
+                _save(results)
+            if args.only != "control":
+                if args.only is None:
+                    results.pop("scaled", None)
+                results["scaled_machine"] = machine
+                measure_scaled(pool, results, args)
+        finally:
+            pool.close()
+        if args.only != "scaled":
+            results["import_safe_zero_ms"] = import_ms()
+            results["alignment_padding"] = alignment_overhead()
+            results["seconds"] = round(time.time() - started, 1)
+    if args.record:
+        day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        results.setdefault("scaled_history", []).append(
+            {"label": f"{args.record}, {day}", "machine": results.get("scaled_machine"),
+             "rows": dict(results.get("scaled", {}))})
+    _save(results)
+    render(results)
+    return 0
+
+
+def render(results: dict) -> None:
     lines = ["# safe_zero benchmark results", "", f"Machine: {results['machine']}. Written by `make bench`.", "",
              "| measure | stock | safe_zero | ratio / value | target |", "|---|---|---|---|---|"]
     for stage, r in results["step_time"].items():
         lines.append(f"| step time, {stage}, control model | {r['stock_ms']:.2f} ms | {r['safe_ms']:.2f} ms | "
                      f"{r['median_ratio']:.3f} (median of {r['pairs']} step pairs; stock vs stock in the same "
                      f"harness: {r['stock_vs_stock_ratio']:.3f}) | <= 1.01 |")
-        lines.append(f"| step time, {stage}, control model, `\"find_unused_parameters\": false` (no rank agreement) | | "
+        lines.append(f"| step time, {stage}, control model, `\"find_unused_parameters\": false` (no rank agreement) "
+                     "| | "
                      f"| {r['no_agreement_ratio']:.3f} | <= 1.01 |")
         lines.append(f"| safe_zero's own functions in a {stage} step, under cProfile | | "
                      f"{r['safe_zero_calls_per_step']:.0f} calls | {100 * r['safe_zero_profiled_share']:.2f} % of the "
                      f"profiled step (upper bound) | |")
     ag = results["all_gathers_per_step"]
-    lines.append(f"| all-gathers per ZeRO-3 step (steps 1-3), K=4 all-zero-sized submodules vs K=0 | {ag['k0']} (K=0) | "
+    lines.append(f"| all-gathers per ZeRO-3 step (steps 1-3), K=4 all-zero-sized submodules vs K=0 | "
+                 f"{ag['k0']} (K=0) | "
                  f"{ag['k4']} (K=4) | {'equal' if ag['k0'] == ag['k4'] else 'DIFFERENT'} | equal |")
     def listed(c: dict) -> str:
-        return ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if k != "all_reduce_bytes")
+        return ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if not k.endswith("_bytes"))
 
     why = {"zero2": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, and the broadcast "
                     "of rank 0's reduction order, 8 B per trainable parameter)",
@@ -144,14 +268,16 @@ def main() -> int:
             lines.append(f"| collectives in the {label} {stage} step, control model (every rank uses every parameter) "
                          f"| {listed(counts['stock'])} | {listed(counts['safe_zero'])} | +{extra} B all-reduced "
                          f"{why[stage]} | {'none' if label == 'later' else 'one small all-reduce, one broadcast'} |")
-    lines.append(f"| `import safe_zero` after `import deepspeed` | | | {results['import_safe_zero_ms']:.1f} ms | <= 50 ms |")
+    lines.append(f"| `import safe_zero` after `import deepspeed` | | | {results['import_safe_zero_ms']:.1f} ms "
+                 "| <= 50 ms |")
     for row in results["alignment_padding"] or []:
         lines.append(f"| alignment padding, {row['layout']} | | | {row['bytes']} B "
                      f"({row['percent']:.4f} % of the flat buffer, max {row['max_per_param']} B per parameter) "
                      f"| <= 15 B per parameter |")
         lines.append(f"| grouped_mm weights off the 16-byte grid, {row['layout']} | "
                      f"{row['misaligned_stock']} of {row['grouped_mm_weights']} (unpadded flat order) | "
-                     f"{row['misaligned_safe_zero_order']} of {row['grouped_mm_weights']} (safe_zero order, 0 B padding) "
+                     f"{row['misaligned_safe_zero_order']} of {row['grouped_mm_weights']} "
+                     "(safe_zero order, 0 B padding) "
                      f"| | 0 |")
         z3 = row["zero3_ws3"]
         lines.append(f"| ZeRO-3 at 3 ranks, {row['layout']}: padding safe_zero adds | | "
@@ -159,10 +285,134 @@ def main() -> int:
                      f"buffer | max {z3['all-reduce slot pad max per param']} B per parameter "
                      f"({z3['grouped_mm partitions off whole 16-byte units']} grouped_mm partitions not whole 16-byte "
                      "units) | <= 15 B per parameter |")
+    lines += scaled_lines(results)
     with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
+
+
+def _kinds(counts: dict) -> dict[str, int]:
+    return {k: n for k, n in counts.items() if not k.endswith("_bytes")}
+
+
+def _listed(counts: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(_kinds(counts).items())) or "none"
+
+
+def _added(stock: dict, safe: dict) -> tuple[str, int]:
+    """What safe_zero's step adds to stock's: '+n kind (bytes B)' per kind, and the bytes in all."""
+    parts, total = [], 0
+    for kind in sorted(set(_kinds(stock)) | set(_kinds(safe))):
+        calls = safe.get(kind, 0) - stock.get(kind, 0)
+        extra = safe.get(f"{kind}_bytes", 0) - stock.get(f"{kind}_bytes", 0)
+        if calls or extra:
+            parts.append(f"{calls:+d} {kind} ({extra:+d} B)")
+            total += extra
+    return ", ".join(parts) or "nothing", total
+
+
+def _later(stock: list[dict], safe: list[dict]) -> str:
+    steps = f"steps 2-{len(stock)}" if len(stock) > 2 else "step 2"
+    if all(_kinds(a) == _kinds(b) for a, b in zip(stock[1:], safe[1:])):
+        return f"stock's in {steps} ({_listed(stock[-1])})"
+    return "; ".join(f"step {i + 2}: stock {_listed(a)}, safe_zero {_listed(b)}"
+                     for i, (a, b) in enumerate(zip(stock[1:], safe[1:])))
+
+
+def _scaled_tables(rows: dict) -> list[str]:
+    rows = sorted(rows.values(), key=lambda r: (r["size"], SCALED_MODELS.index(r["model"])
+                                                 if r["model"] in SCALED_MODELS else 9, r["stage"]))
+    models = {(r["model"], r["size"]): r for r in rows}
+    lines = ["Models (`benchmarks/bodies.py`, trainable tensors):", ""]
+    lines += [f"- `{model}` at {size}: {r['shape']}: {r['tensors']} tensors, {r['elements']:,} elements"
+              for (model, size), r in models.items()]
+    lines += ["", "| model | tensors | stage | stock | safe_zero | ratio safe/stock | noise floor stock/stock "
+              "| ratio target (floor + 0.01) | safe_zero calls per step | calls per tensor (target <= 3) "
+              "| profiled share (target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["profile"]
+        load = f", load {r['load']:.0f}" if "load" in r else ""
+        if "median_ratio" in r:
+            within = "within" if r["median_ratio"] <= r["stock_vs_stock_ratio"] + 0.01 else "OVER"
+            timed = (f"{r['stock_ms']:.0f} ms | {r['safe_ms']:.0f} ms | {r['median_ratio']:.3f} (median of "
+                     f"{r['pairs']} pairs{load}) | {r['stock_vs_stock_ratio']:.3f} | {within}")
+        else:
+            timed = f"not timed{load} | | | |"
+        lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {timed} | {p['calls_per_step']:.0f} | "
+                     f"{p['calls_per_step'] / r['tensors']:.2f} | {100 * p['share']:.2f} % ({p['steps']} steps) |")
+    lines += ["", "| model | tensors | stage | collectives, first step: stock | first step: safe_zero adds "
+              "| first-step bytes safe_zero adds, per tensor | after the first step | state safe_zero keeps on the "
+              "engine (peak) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "collectives" not in r:
+            continue
+        stock, safe = r["collectives"]["stock"], r["collectives"]["safe_zero"]
+        added, total = _added(stock[0], safe[0])
+        m = r["memory"]
+        lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {_listed(stock[0])} | {added} | "
+                     f"{total} B, {total / r['tensors']:.1f} B per tensor | {_later(stock, safe)} | "
+                     f"{m['peak_bytes'] / 1024:.0f} KiB, {m['bytes_per_tensor']:.0f} B per tensor ({m['peak_at']}) |")
+    # safe_zero's functions by calls per tensor per step, one column per model and stage.
+    columns = [r for r in rows]
+    calls: dict[str, dict[int, tuple[float, float]]] = {}
+    for i, r in enumerate(columns):
+        for f in r["profile"]["functions"]:
+            calls.setdefault(f["function"], {})[i] = (f["calls_per_step"] / r["tensors"], f["share"])
+    # Functions called at least once per 100 tensors per step in some column; the rest are summed as "the others".
+    order = sorted((name for name in calls if max(c for c, _ in calls[name].values()) >= 0.01),
+                   key=lambda name: -max(c for c, _ in calls[name].values()))
+
+    def others(i: int, r: dict) -> str:
+        shown = [calls[name][i] for name in order if i in calls[name]]
+        left = r["profile"]["calls_per_step"] / r["tensors"] - sum(c for c, _ in shown)
+        share = r["profile"]["share"] - sum(sh for _, sh in shown)
+        return f"{left:.2f} ({100 * share:.2f} %)" if left >= 0.005 else ""
+
+    lines += ["", "safe_zero's functions by calls per trainable tensor per step (under cProfile; in brackets the "
+              "function's own time as a share of the profiled step):", "",
+              "| function | " + " | ".join(f"`{r['model']}` {r['tensors']} ZeRO-{r['stage']}" for r in columns) + " |",
+              "|---|" + "---|" * len(columns)]
+    for name in order:
+        cells = [(f"{calls[name][i][0]:.2f} ({100 * calls[name][i][1]:.2f} %)" if i in calls[name] else "")
+                 for i in range(len(columns))]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines.append("| the others | " + " | ".join(others(i, r) for i, r in enumerate(columns)) + " |")
+    lines.append("| all of safe_zero's functions | " + " | ".join(
+        f"{r['profile']['calls_per_step'] / r['tensors']:.2f} ({100 * r['profile']['share']:.2f} %)" for r in columns)
+        + " |")
+    return lines
+
+
+SCALED_NOTES = (
+    "Each row: the step ratio is the median over per-step pairs of a stock and a safe_zero engine stepping "
+    "alternately in the same 2 ranks (two runs, each engine built first in one), the noise floor the same harness "
+    "with two stock engines; calls and share come from cProfile on a safe_zero engine (functions whose file is under "
+    "safe_zero/; the share is their own time over the profiled step's, an upper bound); collectives are counted at "
+    "DeepSpeed's comm backend over 3 steps, bytes being each call's first tensor argument (an all_gather's output "
+    "list); the state is the deep size (`sys.getsizeof` over containers, parameters counted as references) of "
+    "every `_safe_zero_*` attribute of the engine, its optimizer and its ZeRO-3 parameter coordinator (the "
+    "agreement and its flags, the reduction order with its module clocks, the walk, the module names), sampled "
+    "after initialize and right before and after each of 3 steps' gradient epilogue; the broadcast order tensor "
+    "is transient, its bytes are in the collectives column. "
+    "bf16, torch Adam, stage3_param_persistence_threshold 0 (every parameter gathered), 1 intra-op thread per rank. "
+    "At ZeRO-3 the stock engine gets the MoE blocks as leaf modules (`set_z3_leaf_module`), as safe_zero sets them. "
+    "`moe_rank_dependent`: rank r runs only the experts e with e % 2 == r; there stock ZeRO-2 reduces one rank's "
+    "experts into the other's (it runs, trains wrong) and is only the timing baseline.")
+
+
+def scaled_lines(results: dict) -> list[str]:
+    lines: list[str] = []
+    history = results.get("scaled_history", [])
+    current = results.get("scaled") or {}
+    if current and not (history and history[-1]["rows"] == current):
+        lines += ["", "## Scaled models: safe_zero's cost per trainable tensor", "",
+                  f"Machine: {results.get('scaled_machine')}. Written by `make bench`. {SCALED_NOTES}", ""]
+        lines += _scaled_tables(current)
+    for entry in reversed(history):
+        lines += ["", f"## Scaled models, {entry['label']}", "",
+                  f"Machine: {entry.get('machine')}. {SCALED_NOTES}", ""]
+        lines += _scaled_tables(entry["rows"])
+    return lines
 
 
 if __name__ == "__main__":
