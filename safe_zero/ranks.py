@@ -158,6 +158,7 @@ class DistPool:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
+                p.join()  # else the pool can still look alive and be handed to the next job
         release_shm(deepspeed_shm_segments(self._port))
 
 

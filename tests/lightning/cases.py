@@ -436,7 +436,7 @@ def trainer_resumes_stock_checkpoint(stage: int, devices: int, tmp: str) -> dict
     With ``LoadsUnpaddedCheckpoints`` disabled the resume is tried once more (ZeRO-1/2: the layouts differ)."""
     from unittest import mock
 
-    from safe_zero.fixes import grouped_mm_alignment
+    from safe_zero import checkpoint_layout
 
     half = RESUME_STEPS // 2
     out: dict[str, Any] = {"stock_seen": [], "resumed_seen": []}
@@ -467,7 +467,7 @@ def trainer_resumes_stock_checkpoint(stage: int, devices: int, tmp: str) -> dict
     del resumed, resumed_model, engine
 
     if stage in (1, 2):
-        with mock.patch.object(grouped_mm_alignment, "_without_unpadded_record", lambda state: state):
+        with mock.patch.object(checkpoint_layout, "_without_unpadded_record", lambda state: state):
             try:
                 _fit_gpt_oss(stage, devices, RESUME_STEPS, 1, [], ckpt_path=ckpt)
             except Exception as error:  # noqa: BLE001  (the test asserts which)
