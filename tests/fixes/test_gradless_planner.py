@@ -17,13 +17,16 @@ nested autograd task: reentrant checkpointing), ``"leave"`` (every rank left the
 
 from __future__ import annotations
 
+import inspect
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from safe_zero.errors import RankDivergenceError
+from safe_zero.fixes.gradless import planner as planning
 from safe_zero.fixes.gradless.module_order import ModuleClock
 from safe_zero.fixes.gradless.planner import FIRED, HELD, Mode, Phase, Planner
 
@@ -168,14 +171,14 @@ def _run_rank(replay: Replay, planner: Planner, clock: ModuleClock | None, steps
         planner.settle_order(walkable=not left)
 
 
-def replay(scripts: list[list[list[str]]], params: list[str], zero3: bool = False, late: tuple[int, ...] = (),
-           mode: Mode = Mode.AGREED) -> list[Replay]:
-    """Run ``scripts[rank][step]`` on one planner per rank, in threads; every rank's :class:`Replay`."""
+def replay(scripts: list[list[list[str]]], params: list[str], zero3: bool = False,
+           late: tuple[int, ...] = ()) -> list[Replay]:
+    """Run ``scripts[rank][step]`` on one ``Mode.AGREED`` planner per rank, in threads; every rank's :class:`Replay`."""
     world = World(len(scripts))
     replays = []
     for rank in range(len(scripts)):
         backend = Ranks(world, rank, params, late=rank in late)
-        planner = Planner(mode, backend, clocked=zero3, queues=not zero3)
+        planner = Planner(Mode.AGREED, backend, clocked=zero3, queues=not zero3)
         replays.append(Replay(backend=backend, planner=planner))
 
     def run(rank: int) -> None:
@@ -411,17 +414,37 @@ def test_zero3_three_ranks_with_parameters_each_rank_uses_on_some_steps():
 # -- the replays have teeth: a broken planner turns them red --------------------------------------------------
 
 
+def _mutate(monkeypatch: pytest.MonkeyPatch, *edits: tuple[str, str]) -> None:
+    """Replay on ``planner.py`` with ``edits`` (old, new: every occurrence) made to its source."""
+    source = inspect.getsource(planning)
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    mutant = types.ModuleType("mutated_planner")
+    exec(compile(source, "mutated_planner.py", "exec"), mutant.__dict__)
+    for name in ("Planner", "Mode", "Phase"):
+        monkeypatch.setitem(globals(), name, getattr(mutant, name))
+
+
 def test_a_planner_that_ignores_the_due_clock_fails_the_replays(monkeypatch):
-    hand_over = Planner._hand_over
-    monkeypatch.setattr(Planner, "_hand_over", lambda self, walk, s, finish=False, clock=None, ask=True:
-                        hand_over(self, walk, s, finish=finish, clock=None, ask=ask))
+    _mutate(monkeypatch, ("due[k] > clock", "False"))
     for ranks_moving in [(0, 1), (1,)]:
         with pytest.raises(AssertionError):
             test_zero3_a_gradient_that_arrives_before_a_gather_where_the_order_has_it_after(ranks_moving)
 
 
 def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeypatch):
-    monkeypatch.setattr(Planner, "_reaches", lambda self, walk, sequence, k: True)
+    _mutate(monkeypatch, ("if reached[k]:", "if True:"),
+            ("elif finish or (ask and not self.reaches(sequence, k)):", "elif finish:"))
+    with pytest.raises(AssertionError):
+        test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
+    with pytest.raises(AssertionError):
+        test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
+
+
+def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_replays(monkeypatch):
+    _mutate(monkeypatch, ("(nxt, args_of[k], UNUSED)", "(nxt, args_of[k], FIRED)"),
+            ("(param, args_of[k], UNUSED)", "(param, args_of[k], FIRED)"))
     with pytest.raises(AssertionError):
         test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
     with pytest.raises(AssertionError):

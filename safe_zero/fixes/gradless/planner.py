@@ -106,6 +106,27 @@ class ReductionOrder:
         self.due = due
         self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
 
+    @classmethod
+    def agree(cls, backend: Backend, arrived: list[Any], args: dict[int, tuple],
+              clocks: dict[int, int] | None) -> ReductionOrder:
+        """Rank 0's hook order (``arrived``), the parameters it did not reach after it in parameter order, and on
+        ZeRO-3 the module clock of each hook: one broadcast per group, on every rank."""
+        sequences, args_rows, due_rows = [], [], []
+        for group, params in backend.ordered_groups():
+            if not params:
+                continue
+            index = {id(p): k for k, p in enumerate(params)}
+            mine = list(dict.fromkeys(index[id(p)] for p in arrived if id(p) in index))
+            mine += sorted(set(range(len(params))) - set(mine))
+            rows = [mine] if clocks is None else [mine, [clocks.get(id(params[k]), AT_EPILOGUE) for k in mine]]
+            rows = backend.broadcast_from_first(group, rows)
+            sequence = [params[k] for k in rows[0]]
+            sequences.append(sequence)
+            args_rows.append([args[id(p)] for p in sequence])
+            if clocks is not None:
+                due_rows.append(list(rows[1]))
+        return cls(sequences, args_rows, due_rows if clocks is not None else None)
+
 
 class _Agreement:
     """One backward's agreement on which parameters some rank does not reach: all-reduces in flight, then a set."""
@@ -130,17 +151,87 @@ class _Agreement:
             self.held, self._pending = held, []
         return True
 
+    def hook(self, param: Any, args: tuple, clock: int | None, wait: bool) -> list[Handover]:
+        """Queue until the answer is known (``wait``: wait for it), then hand over what every rank reached."""
+        self.arrived.append(param)
+        if clock is not None:
+            self.clocks.setdefault(id(param), clock)
+        if not self.known(wait):
+            self.queued.append((param, args))
+            return []
+        handovers = self.drain()
+        if id(param) not in self.held:
+            handovers.append((param, args, FIRED))
+        return handovers
+
+    def drain(self) -> list[Handover]:
+        queued, self.queued = self.queued, []
+        return [(p, args, FIRED) for p, args in queued if id(p) not in self.held]
+
 
 class _Walk:
     """One backward's progress along a ``ReductionOrder``."""
 
-    def __init__(self, order: ReductionOrder, task: int) -> None:
+    def __init__(self, order: ReductionOrder, task: int, backend: Backend, clocked: bool) -> None:
         self.order = order
         self.task = task
+        self.backend = backend
+        self.clocked = clocked
         self.next = [0] * len(order.sequences)  # per sequence: the first parameter not yet handed over
         self.fired: dict[int, tuple] = {}  # parameters whose hook fired, waiting for the ones before them
         self.reached: list[list[bool] | None] = [None] * len(order.sequences)  # ZeRO-1/2: asked once per backward
         self.asked: dict[int, bool] = {}  # ZeRO-3: asked one by one, at module boundaries
+
+    def hand_over(self, sequence: int, finish: bool = False, clock: int | None = None,
+                  ask: bool = True) -> list[Handover]:
+        """The parameters of ``sequence`` from its first one not yet handed over, while each is ready: fired, or
+        not reached by this rank's backward (at the epilogue: every one left; ``ask=False``: only fired), and due
+        by ``clock``.
+
+        One reached whose hook has not fired yet stops the walk until it fires. On ZeRO-3 that can be past a
+        module's gathers where the agreed order has it before them: the ranks then still reduce in one order if
+        its gradient moved on every rank alike, and as stock does (each bucket sorted by parameter) if not.
+        """
+        order = self.order
+        params, args_of, k = order.sequences[sequence], order.args[sequence], self.next[sequence]
+        due = order.due[sequence] if clock is not None and order.due is not None else None
+        fired = self.fired
+        handovers = []
+        while k < len(params):
+            if due is not None and due[k] > clock:
+                break
+            param = params[k]
+            args = fired.pop(id(param), None)
+            if args is not None:
+                handovers.append((param, args, FIRED))
+            elif finish or (ask and not self.reaches(sequence, k)):
+                handovers.append((param, args_of[k], UNUSED))
+            else:
+                break
+            k += 1
+        self.next[sequence] = k
+        return handovers
+
+    def reaches(self, sequence: int, k: int) -> bool:
+        """Whether this rank's backward reaches the ``k``-th parameter of ``sequence``, asked at most once per
+        backward (afresh in each: a held accumulator would be reused by the next forward)."""
+        params = self.order.sequences[sequence]
+        if not self.clocked:  # ZeRO-1/2 asks at every hook: once for the rest of the sequence
+            reached = self.reached[sequence]
+            if reached is None:
+                reached = self.reached[sequence] = [True] * k + self.backend.reached(params[k:])
+            return reached[k]
+        key = id(params[k])
+        if key not in self.asked:
+            self.asked[key] = self.backend.reached([params[k]])[0]
+        return self.asked[key]
+
+    def wake_at(self) -> int:
+        """The clock at which a module boundary can hand over the next parameter of the first sequence."""
+        if not self.order.due:
+            return -1
+        due, k = self.order.due[0], self.next[0]
+        return due[k] if k < len(due) else NEVER
 
 
 class Planner:
@@ -171,8 +262,6 @@ class Planner:
         self._fired: set[int] | None = None  # Mode.STRICT: the parameters whose hook fired in this backward
         self._settling: tuple[_Agreement, dict[int, tuple]] | None = None
 
-    # -- events, in the order a backward sends them ---------------------------------------------------------------
-
     def begin_backward(self) -> None:
         """A new backward (not a nested one): forget what one that never reached its epilogue left."""
         self._agreement = self._walk = self._fired = None
@@ -192,19 +281,47 @@ class Planner:
             return [(param, args, FIRED)]
         phase = self.phase
         if phase is Phase.UNAGREED or phase is Phase.AGREEING:
-            return self._agreed_hook(param, args, task, clock)
+            return self._agreement_of(task).hook(param, args, clock, wait=not self.queues)
         if not final:
             return [(param, args, FIRED)]
-        walk = self._walk if self._walk is not None and self._walk.task == task else self._current_walk(task)
+        walk = self._walk if self._walk is not None and self._walk.task == task else self._walk_of(task)
         slot = walk.order.slot.get(id(param))
         if slot is None:  # made trainable after the order was agreed: nothing to keep in step with
             return [(param, args, FIRED)]
-        walk.fired[id(param)] = args
-        if self.phase is Phase.HOLDING:
+        sequence, k = slot
+        order = walk.order
+        due = order.due[sequence] if clock is not None and order.due is not None else None
+        if k != walk.next[sequence] or self.phase is Phase.HOLDING or (due is not None and due[k] > clock):
+            # Not its turn (an earlier parameter or its due clock holds the walk): nothing this hook can move on.
+            walk.fired[id(param)] = args
             return []
-        # On ZeRO-3 a parameter whose hook will not fire waits for the next module boundary: asking autograd
-        # at every hook costs more than the wait.
-        return self._hand_over(walk, slot[0], clock=clock, ask=clock is None)
+        # Its turn: ``_Walk.hand_over`` with this parameter fired, inlined (it runs per parameter per step). On
+        # ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
+        # autograd at every hook costs more than the wait; ZeRO-1/2 asks once per backward.
+        params, args_of = order.sequences[sequence], order.args[sequence]
+        fired, reached = walk.fired, walk.reached[sequence]
+        handovers = [(param, args, FIRED)]
+        k += 1
+        while k < len(params):
+            if due is not None and due[k] > clock:
+                break
+            nxt = params[k]
+            nxt_args = fired.pop(id(nxt), None)
+            if nxt_args is not None:
+                handovers.append((nxt, nxt_args, FIRED))
+            elif clock is not None:
+                break
+            else:
+                if reached is None:
+                    reached = walk.reached[sequence] = [True] * k + self.backend.reached(params[k:])
+                if reached[k]:
+                    break
+                handovers.append((nxt, args_of[k], UNUSED))
+            k += 1
+        walk.next[sequence] = k
+        if due is not None and sequence == 0:
+            self.wake_at = due[k] if k < len(due) else NEVER
+        return handovers
 
     def boundary(self, clock: int, task: int) -> list[Handover]:
         """ZeRO-3: the backward (task ``task``) enters a module, ``clock`` modules after its forward began, and
@@ -213,12 +330,14 @@ class Planner:
 
         Raises ``RankDivergenceError`` where a nested backward begins while an agreed order is walked."""
         if self.phase is Phase.UNAGREED or self.phase is Phase.AGREEING:
-            self._agree(task)
+            self._agreement_of(task)
             return []
-        walk = self._current_walk(task)
+        walk = self._walk_of(task)
         if self.phase is Phase.HOLDING:
             return []
-        return self._hand_over(walk, 0, clock=clock)
+        handovers = walk.hand_over(0, clock=clock)
+        self.wake_at = walk.wake_at()
+        return handovers
 
     def left_order(self) -> None:
         """ZeRO-3: every rank left the recorded module order at the same module, so the due clocks no longer hold:
@@ -242,7 +361,7 @@ class Planner:
         if walk is not None:
             handovers = []
             for sequence in range(len(walk.order.sequences)):
-                handovers += self._hand_over(walk, sequence, finish=True)
+                handovers += walk.hand_over(sequence, finish=True)
             self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
             return handovers
         agreement, self._agreement = self._agreement, None
@@ -250,7 +369,7 @@ class Planner:
             return []
         params_in_order = list(params_in_order)
         agreement.known(wait=True)
-        handovers = self._drain(agreement)
+        handovers = agreement.drain()
         handovers += [(p, args, HELD) for p, args in params_in_order if id(p) in agreement.held]
         self._settling = (agreement, {id(p): args for p, args in params_in_order})
         self._set_phase(Phase.UNAGREED)
@@ -262,10 +381,9 @@ class Planner:
         settling, self._settling = self._settling, None
         if settling is not None and walkable and not self.nested:
             agreement, args = settling
-            self.order = self._agree_on_order(agreement.arrived, args, agreement.clocks if self.clocked else None)
+            self.order = ReductionOrder.agree(self.backend, agreement.arrived, args,
+                                              agreement.clocks if self.clocked else None)
             self._set_phase(Phase.ORDERED)
-
-    # -- the steps ----------------------------------------------------------------------------------------------
 
     def _set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -274,7 +392,7 @@ class Planner:
         elif phase is not Phase.WALKING:
             self.wake_at, self.wake_task = -1, -1
 
-    def _agree(self, task: int) -> _Agreement:
+    def _agreement_of(self, task: int) -> _Agreement:
         """This backward's agreement, started at its first reducing hook or module boundary and ended at its
         epilogue. With reentrant checkpointing a block's gradients arrive in a nested backward (another task) of
         the same ``engine.backward``; the agreement spans it, holding them for the epilogue."""
@@ -286,42 +404,18 @@ class Planner:
             self._nested_seen()
         return agreement
 
-    def _agreed_hook(self, param: Any, args: tuple, task: int, clock: int | None) -> list[Handover]:
-        """Queue until the agreement is known, then hand over what every rank reached."""
-        agreement = self._agree(task)
-        agreement.arrived.append(param)
-        if clock is not None:
-            agreement.clocks.setdefault(id(param), clock)
-        if not agreement.known(wait=not self.queues):
-            agreement.queued.append((param, args))
-            return []
-        handovers = self._drain(agreement)
-        if id(param) not in agreement.held:
-            handovers.append((param, args, FIRED))
-        return handovers
+    def _walk_of(self, task: int) -> _Walk:
+        """This backward's walk along the agreed order, begun at its first hook or module boundary.
 
-    @staticmethod
-    def _drain(agreement: _Agreement) -> list[Handover]:
-        queued, agreement.queued = agreement.queued, []
-        return [(p, args, FIRED) for p, args in queued if id(p) not in agreement.held]
-
-    def _nested_seen(self) -> None:
-        # From the next backward on, agree again: the outer graph no longer shows what a rank reaches.
-        self.nested, self.order = True, None
-        self.backend.nested_backward()
-
-    def _current_walk(self, task: int) -> _Walk:
-        """This backward's walk along the agreed order, begun at its first hook or module boundary."""
+        Raises ``RankDivergenceError`` in a nested backward: it reaches parameters the outer graph did not show,
+        some of which may already have gone as zeros. Every rank runs the same checkpointed blocks, so every rank
+        stops here, before the update; the next backwards agree again instead of walking."""
         walk = self._walk
         if walk is None:
-            walk = self._walk = _Walk(self.order, task)
-            self.wake_task = task
+            walk = self._walk = _Walk(self.order, task, self.backend, self.clocked)
             self._set_phase(Phase.WALKING)
-            self._wake(walk)
+            self.wake_at, self.wake_task = walk.wake_at(), task
         elif walk.task != task:
-            # A nested backward (reentrant checkpointing) reaches parameters the outer graph did not show, some of
-            # which may already have gone as zeros. Every rank runs the same checkpointed blocks, so every rank
-            # stops here, before the update; the next backwards agree again instead of walking.
             self._nested_seen()
             raise RankDivergenceError(
                 "a nested backward (reentrant activation checkpointing, use_reentrant=True) began after the first "
@@ -331,74 +425,7 @@ class Planner:
                 'gradient_checkpointing_kwargs={"use_reentrant": False}).')
         return walk
 
-    def _hand_over(self, walk: _Walk, sequence: int, finish: bool = False, clock: int | None = None,
-                   ask: bool = True) -> list[Handover]:
-        """The parameters of ``sequence`` from its first one not yet handed over, while each is ready: fired, or
-        not reached by this rank's backward (at the epilogue: every one left; ``ask=False``: only fired), and due
-        by ``clock``.
-
-        One reached whose hook has not fired yet stops the walk until it fires. On ZeRO-3 that can be past a
-        module's gathers where the agreed order has it before them: the ranks then still reduce in one order if
-        its gradient moved on every rank alike, and as stock does (each bucket sorted by parameter) if not.
-        """
-        order = walk.order
-        params, args_of, k = order.sequences[sequence], order.args[sequence], walk.next[sequence]
-        due = order.due[sequence] if clock is not None and order.due is not None else None
-        fired = walk.fired
-        handovers = []
-        while k < len(params):
-            if due is not None and due[k] > clock:
-                break
-            param = params[k]
-            args = fired.pop(id(param), None)
-            if args is not None:
-                handovers.append((param, args, FIRED))
-            elif finish or (ask and not self._reaches(walk, sequence, k)):
-                handovers.append((param, args_of[k], UNUSED))
-            else:
-                break
-            k += 1
-        walk.next[sequence] = k
-        if sequence == 0:
-            self._wake(walk)
-        return handovers
-
-    def _reaches(self, walk: _Walk, sequence: int, k: int) -> bool:
-        """Whether this rank's backward reaches the ``k``-th parameter of ``sequence``, asked at most once per
-        backward (afresh in each: a held accumulator would be reused by the next forward)."""
-        params = walk.order.sequences[sequence]
-        if not self.clocked:  # ZeRO-1/2 asks at every hook: once for the rest of the sequence
-            reached = walk.reached[sequence]
-            if reached is None:
-                reached = walk.reached[sequence] = [True] * k + self.backend.reached(params[k:])
-            return reached[k]
-        key = id(params[k])
-        if key not in walk.asked:
-            walk.asked[key] = self.backend.reached([params[k]])[0]
-        return walk.asked[key]
-
-    def _wake(self, walk: _Walk) -> None:
-        """The clock at which a module boundary can hand over the walk's next parameter of the first sequence."""
-        if self.phase is Phase.WALKING and walk.order.due is not None and walk.order.due:
-            due, k = walk.order.due[0], walk.next[0]
-            self.wake_at = due[k] if k < len(due) else NEVER
-
-    def _agree_on_order(self, arrived: list[Any], args: dict[int, tuple],
-                        clocks: dict[int, int] | None) -> ReductionOrder:
-        """Rank 0's hook order of this backward, the parameters it did not reach after it in parameter order (and
-        on ZeRO-3 the module clock of each hook): one broadcast per group."""
-        sequences, args_rows, due_rows = [], [], []
-        for group, params in self.backend.ordered_groups():
-            if not params:
-                continue
-            index = {id(p): k for k, p in enumerate(params)}
-            mine = list(dict.fromkeys(index[id(p)] for p in arrived if id(p) in index))
-            mine += sorted(set(range(len(params))) - set(mine))
-            rows = [mine] if clocks is None else [mine, [clocks.get(id(params[k]), AT_EPILOGUE) for k in mine]]
-            rows = self.backend.broadcast_from_first(group, rows)
-            sequence = [params[k] for k in rows[0]]
-            sequences.append(sequence)
-            args_rows.append([args[id(p)] for p in sequence])
-            if clocks is not None:
-                due_rows.append(list(rows[1]))
-        return ReductionOrder(sequences, args_rows, due_rows if clocks is not None else None)
+    def _nested_seen(self) -> None:
+        # From the next backward on, agree again: the outer graph no longer shows what a rank reaches.
+        self.nested, self.order = True, None
+        self.backend.nested_backward()
