@@ -3,12 +3,11 @@ and carry out the hand-overs it returns (docs/rank_agreement.md)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Iterable
 
 import torch
 
-from safe_zero.errors import ReentrantCheckpointWarning, UnusedParameterError
+from safe_zero.errors import UnusedParameterError
 from safe_zero.fixes.gradless import FIX
 from safe_zero.fixes.gradless.collectives import DataParallelRanks
 from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Handover, Mode, Planner
@@ -37,8 +36,7 @@ class PlannerAdapter:
             return None
         mode = (Mode.PASS_THROUGH if world < 2 else
                 Mode.AGREED if session.options.find_unused_parameters else Mode.STRICT)
-        backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group,
-                                    self._warn_nested_backward)
+        backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group, session)
         self._safe_zero_planner = Planner(mode, backend, clocked=clocked, queues=queues)
         return self._safe_zero_planner
 
@@ -94,12 +92,18 @@ class PlannerAdapter:
     def _finish_backward(self, params_in_order: Iterable[tuple[torch.nn.Parameter, tuple]]) -> None:
         """At the epilogue, before DeepSpeed's: check the strict contract, or hand over what the planner held back
         (``params_in_order``: every parameter with its hook arguments, in parameter order), then let it settle the
-        order for the next backwards."""
+        order for the next backwards.
+
+        Raises ``UnusedParameterError`` (``"find_unused_parameters": false``) naming the trainable parameters whose
+        hook did not fire on this rank; no collective, so only that rank raises."""
         planner = self._safe_zero_planner
         if planner is None:
             return
         if planner.mode is Mode.STRICT:
-            self._check_every_param_fired(planner)
+            # DDP's default contract, checked on this rank before the optimizer step can apply a wrong update.
+            missed = planner.unfired(p for _, group in self._reduced_params_by_group() for p in group)
+            if missed:
+                raise UnusedParameterError(self._unused_message(missed))
             return
         handovers = planner.finish_backward(params_in_order)
         if not getattr(self, "_safe_zero_held_reported", False) and any(h[2] == HELD for h in handovers):
@@ -115,30 +119,11 @@ class PlannerAdapter:
                 self._zero_fill(param, WHY[reason])
             self._reduce(param, *args)
 
-    def _check_every_param_fired(self, planner: Planner) -> None:
-        """``"find_unused_parameters": false``: DDP's default contract, checked on this rank at the epilogue
-        (before the optimizer step can apply a wrong update), without a collective.
-
-        Raises ``UnusedParameterError`` naming the parameters whose hook did not fire."""
-        missed = planner.unfired(p for _, group in self._reduced_params_by_group() for p in group)
-        if missed:
-            names = getattr(self, "param_names", {}) or {}
-            shown = [names.get(p, f"parameter of shape {tuple(getattr(p, 'ds_shape', p.shape))}") for p in missed[:5]]
-            raise UnusedParameterError(
-                f"{len(missed)} trainable parameter(s) got no gradient in this backward on this rank ({shown}), but "
+    def _unused_message(self, missed: list[torch.nn.Parameter]) -> str:
+        names = getattr(self, "param_names", {}) or {}
+        shown = [names.get(p, f"parameter of shape {tuple(getattr(p, 'ds_shape', p.shape))}") for p in missed[:5]]
+        return (f"{len(missed)} trainable parameter(s) got no gradient in this backward on this rank ({shown}), but "
                 '"safe_zero": {"find_unused_parameters": false} promises that every rank uses every parameter, so '
                 "the ranks' gradient buckets no longer match. Remove that setting (the default, true, lets the ranks "
                 "agree on what each used, like DDP's find_unused_parameters=True), or freeze the parameters that are "
                 "never used.")
-
-    def _warn_nested_backward(self) -> None:
-        if not getattr(self, "_safe_zero_nested_warned", False):
-            self._safe_zero_nested_warned = True
-            warnings.warn("reentrant activation checkpointing (use_reentrant=True) at more than one data-parallel "
-                          "rank: the gradients of checkpointed blocks are reduced at the end of the backward, held "
-                          "in full until then, so that every rank reduces the same parameters in the same order. "
-                          "Non-reentrant checkpointing (use_reentrant=False, e.g. Trainer's gradient_checkpointing_"
-                          'kwargs={"use_reentrant": False}) keeps DeepSpeed\'s overlap and memory.',
-                          ReentrantCheckpointWarning, stacklevel=5)
-            session_for(self).engaged(FIX, "reentrant activation checkpointing: checkpointed blocks' gradients "
-                                           "reduced at the end of the backward")

@@ -3,6 +3,7 @@ data-parallel collectives, and zero gradients."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -10,8 +11,9 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from torch.autograd.graph import _get_grad_fn_or_grad_acc
 
+from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes.gradless import FIX
-from safe_zero.session import session_for
+from safe_zero.session import Session, session_for
 
 
 def reached(params: Sequence[torch.Tensor]) -> list[bool]:
@@ -39,16 +41,29 @@ class _Flags:
 class DataParallelRanks:
     """The planner's :class:`~safe_zero.fixes.gradless.planner.Backend` on DeepSpeed's process groups.
 
-    ``agreed`` and ``ordered`` list an optimizer's trainable parameters per data-parallel group; ``nested`` tells
-    the user once that reentrant checkpointing holds gradients for the epilogue.
+    ``agreed`` and ``ordered`` list an optimizer's trainable parameters per data-parallel group; ``session`` is
+    the optimizer's, told once that reentrant checkpointing holds gradients for the epilogue.
     """
 
     def __init__(self, agreed: Callable[[], list[tuple[Any, list[torch.Tensor]]]],
-                 ordered: Callable[[], list[tuple[Any, list[torch.Tensor]]]], nested: Callable[[], None]) -> None:
+                 ordered: Callable[[], list[tuple[Any, list[torch.Tensor]]]], session: Session) -> None:
         self.agreed_groups = agreed
         self.ordered_groups = ordered
-        self.nested_backward = nested
         self.reached = reached
+        self._session = session
+        self._warned = False
+
+    def nested_backward(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn("reentrant activation checkpointing (use_reentrant=True) at more than one data-parallel "
+                          "rank: the gradients of checkpointed blocks are reduced at the end of the backward, held "
+                          "in full until then, so that every rank reduces the same parameters in the same order. "
+                          "Non-reentrant checkpointing (use_reentrant=False, e.g. Trainer's gradient_checkpointing_"
+                          'kwargs={"use_reentrant": False}) keeps DeepSpeed\'s overlap and memory.',
+                          ReentrantCheckpointWarning, stacklevel=5)
+            self._session.engaged(FIX, "reentrant activation checkpointing: checkpointed blocks' gradients reduced "
+                                       "at the end of the backward")
 
     @staticmethod
     def all_reduce_min(group: Any, flags: list[bool]) -> _Flags:

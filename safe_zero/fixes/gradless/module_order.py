@@ -135,6 +135,32 @@ def _skippable_candidates(names: list[str]) -> list[str]:
     return list(dict.fromkeys(".".join(name.split(".")[:len(common) + 1]) for name in distinct))
 
 
+def _left_alone_message(names: dict[int, str], module: nn.Module, expected: int | None, timeout: float) -> str:
+    name = names.get(module.ds_id, type(module).__name__)
+    other = names.get(expected, f"module #{expected}") if expected is not None else None
+    ran = f"`{other}`, which" if other else "the module that"
+    candidates = _skippable_candidates([name] + ([other] if other else []))
+    return (f"under ZeRO-3 this rank entered `{name}` where DeepSpeed's recorded module order has {ran} the other "
+            f"ranks are running now: no other rank left the order within {timeout:g} s, so their parameter "
+            "gathers no longer match this rank's (stock DeepSpeed hangs here). If the model skips a module for "
+            "some inputs (an optional tower, a conditional adapter), list it in the DeepSpeed config: "
+            f'"safe_zero": {{"optional_modules": ["{candidates[-1]}"]}} (one of {candidates}); its parameters '
+            'then stay gathered on every rank. ("safe_zero": {"module_order_timeout": seconds} sets the wait.)')
+
+
+def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
+    names = [names_by_id.get(i, f"module #{i}") for i in ids]
+    ran = ", ".join(f"rank {rank} `{name}`" for rank, name in enumerate(names))
+    candidates = _skippable_candidates(names)
+    return (f"under ZeRO-3 the ranks entered different modules at the same point of the forward ({ran}), so "
+            "their parameter gathers would no longer match (stock DeepSpeed hangs here, or stops a step later "
+            "with 'Detected a disagreement on list contents'). If the model skips a module for some inputs (an "
+            "optional tower, a conditional adapter), list it in the DeepSpeed config, e.g. "
+            f'"safe_zero": {{"optional_modules": ["{candidates[0]}"]}} (one of {candidates}): its parameters '
+            "then stay gathered on every rank and it trains as DDP would. If these are experts of one MoE "
+            'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')
+
+
 class AgreesOnModulesWhileRecording:
     """Mixin for ``PartitionedParameterCoordinator``: optional modules out of the trace, and one module order.
 
@@ -212,22 +238,10 @@ class AgreesOnModulesWhileRecording:
             store.wait([f"{prefix}{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
         except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
             expected = self._safe_zero_recorded[position] if position < len(self._safe_zero_recorded) else None
-            raise RankDivergenceError(self._left_alone_message(module, expected, timeout)) from None
+            raise RankDivergenceError(_left_alone_message(self._safe_zero_names, module, expected, timeout)) from None
         ids = [int(store.get(f"{prefix}{r}")) for r in range(world)]
         if len(set(ids)) > 1:
-            raise RankDivergenceError(self._divergence_message(ids))
-
-    def _left_alone_message(self, module: nn.Module, expected: int | None, timeout: float) -> str:
-        name = self._safe_zero_names.get(module.ds_id, type(module).__name__)
-        other = self._safe_zero_names.get(expected, f"module #{expected}") if expected is not None else None
-        ran = f"`{other}`, which" if other else "the module that"
-        candidates = _skippable_candidates([name] + ([other] if other else []))
-        return (f"under ZeRO-3 this rank entered `{name}` where DeepSpeed's recorded module order has {ran} the other "
-                f"ranks are running now: no other rank left the order within {timeout:g} s, so their parameter "
-                "gathers no longer match this rank's (stock DeepSpeed hangs here). If the model skips a module for "
-                "some inputs (an optional tower, a conditional adapter), list it in the DeepSpeed config: "
-                f'"safe_zero": {{"optional_modules": ["{candidates[-1]}"]}} (one of {candidates}); its parameters '
-                'then stay gathered on every rank. ("safe_zero": {"module_order_timeout": seconds} sets the wait.)')
+            raise RankDivergenceError(_divergence_message(self._safe_zero_names, ids))
 
     @overrides
     def record_module(self, sub_module: nn.Module) -> None:
@@ -261,16 +275,4 @@ class AgreesOnModulesWhileRecording:
         dist.all_gather(everyone, mine, group=group)
         ids = [int(t.item()) for t in everyone]
         if len(set(ids)) > 1:
-            raise RankDivergenceError(self._divergence_message(ids))
-
-    def _divergence_message(self, ids: list[int]) -> str:
-        names = [self._safe_zero_names.get(i, f"module #{i}") for i in ids]
-        ran = ", ".join(f"rank {rank} `{name}`" for rank, name in enumerate(names))
-        candidates = _skippable_candidates(names)
-        return (f"under ZeRO-3 the ranks entered different modules at the same point of the forward ({ran}), so "
-                "their parameter gathers would no longer match (stock DeepSpeed hangs here, or stops a step later "
-                "with 'Detected a disagreement on list contents'). If the model skips a module for some inputs (an "
-                "optional tower, a conditional adapter), list it in the DeepSpeed config, e.g. "
-                f'"safe_zero": {{"optional_modules": ["{candidates[0]}"]}} (one of {candidates}): its parameters '
-                "then stay gathered on every rank and it trains as DDP would. If these are experts of one MoE "
-                'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')
+            raise RankDivergenceError(_divergence_message(self._safe_zero_names, ids))
