@@ -32,7 +32,8 @@ class Blocks(nn.Module):
 
 
 def profiled_step(stage: int, blocks: int, warmup: int = 3) -> dict:
-    """On every rank: warm up, then one profiled step; safe_zero's calls per function, its share, the tensor count."""
+    """On every rank: warm up, then one profiled step; per safe_zero function its calls and own time, safe_zero's
+    share of the step's own time, the tensor count."""
     import cProfile
     import pstats
 
@@ -54,7 +55,7 @@ def profiled_step(stage: int, blocks: int, warmup: int = 3) -> dict:
         engine.step()
     profile.disable()
     stats = pstats.Stats(profile).stats
-    ours = {f"{os.path.relpath(k[0], os.path.dirname(safe_zero.__file__))}:{k[1]}:{k[2]}": v[1]
+    ours = {f"{os.path.relpath(k[0], os.path.dirname(safe_zero.__file__))}:{k[1]}:{k[2]}": (v[1], v[2])
             for k, v in stats.items() if "/safe_zero/" in k[0]}
     share = sum(v[2] for k, v in stats.items() if "/safe_zero/" in k[0]) / sum(v[2] for v in stats.values())
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
@@ -73,11 +74,13 @@ def main() -> int:
     try:
         for stage in args.stages:
             result = pool.run(profiled_step, stage=stage, blocks=args.blocks, timeout=900)[0]
-            total = sum(result["calls"].values())
+            total = sum(calls for calls, _ in result["calls"].values())
+            own = sum(seconds for _, seconds in result["calls"].values())
             print(f"ZeRO-{stage}, {result['tensors']} tensors, rank 0: {total} safe_zero calls in the step = "
                   f"{total / result['tensors']:.2f} per tensor, {100 * result['share']:.2f}% of the profiled time")
-            for name, calls in sorted(result["calls"].items(), key=lambda kv: -kv[1])[:args.top]:
-                print(f"  {calls:7d}  {calls / result['tensors']:.2f}/tensor  {name}")
+            for name, (calls, seconds) in sorted(result["calls"].items(), key=lambda kv: -kv[1][0])[:args.top]:
+                print(f"  {calls:7d}  {calls / result['tensors']:.2f}/tensor  {100 * seconds / own:5.1f}% of safe_zero's "
+                      f"time  {name}")
     finally:
         pool.close()
     return 0

@@ -193,6 +193,9 @@ class AgreesOnModulesWhileRecording:
         self.module_clock = ModuleClock(lambda: not self.is_invalid_trace())
         self._safe_zero_recorded: list[int] = []  # the module ids of the trace being or last recorded
         self._safe_zero_recording: list[int] = []
+        # DeepSpeed releases per module entry; with nothing kept gathered (until keep_gathered) the override below
+        # has nothing to do, so the release goes to the next class's directly.
+        self.release_sub_module = super().release_sub_module
 
     def name_modules(self, names: dict[int, str]) -> None:
         """The module names (by ``ds_id``) its errors use."""
@@ -202,6 +205,7 @@ class AgreesOnModulesWhileRecording:
         """Leave ``modules`` (by ``id``) out of the trace, fetch and release, and gather ``params`` again at the
         start of a forward where something released them."""
         self._safe_zero_kept_modules, self._safe_zero_kept_params = modules, params
+        self.__dict__.pop("release_sub_module", None)  # back to the override below
 
     @overrides
     def reset_step(self) -> None:
