@@ -376,6 +376,9 @@ def test_zero3_a_gradient_that_arrives_before_a_gather_where_the_order_has_it_af
     for r in replays:
         step2 = r.handed[r.handed.index(("epilogue",)) + 1:]
         assert step2[:4] == [("gather", 3), ("reduce", "f", 4), ("gather", 4), ("reduce", "e", 5)]
+    for rank in ranks_moving:  # e goes as soon as the clock is due: at the next hook, as rank 0's did
+        events = replays[rank].events[replays[rank].events.index(("epilogue",)) + 1:]
+        assert events[events.index(("hook", "d")):][:3] == [("hook", "d"), ("reduce", "e", 5), ("reduce", "d", 5)]
 
 
 def test_zero3_every_rank_leaving_the_module_order_holds_the_rest_and_agrees_again():

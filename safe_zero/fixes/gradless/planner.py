@@ -288,20 +288,18 @@ class Planner:
         slot = walk.order.slot.get(id(param))
         if slot is None:  # made trainable after the order was agreed: nothing to keep in step with
             return [(param, args, FIRED)]
-        sequence, k = slot
-        order = walk.order
-        due = order.due[sequence] if clock is not None and order.due is not None else None
-        if k != walk.next[sequence] or self.phase is Phase.HOLDING or (due is not None and due[k] > clock):
-            # Not its turn (an earlier parameter or its due clock holds the walk): nothing this hook can move on.
-            walk.fired[id(param)] = args
+        sequence = slot[0]
+        walk.fired[id(param)] = args
+        if self.phase is Phase.HOLDING:
             return []
-        # Its turn: ``_Walk.hand_over`` with this parameter fired, inlined (it runs per parameter per step). On
-        # ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
-        # autograd at every hook costs more than the wait; ZeRO-1/2 asks once per backward.
-        params, args_of = order.sequences[sequence], order.args[sequence]
+        # ``walk.hand_over(sequence, clock=clock, ask=clock is None)``, inlined: it runs per parameter per step.
+        # On ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
+        # autograd at every hook costs more than the wait. ZeRO-1/2 asks once per backward.
+        order = walk.order
+        params, args_of, k = order.sequences[sequence], order.args[sequence], walk.next[sequence]
+        due = order.due[sequence] if clock is not None and order.due is not None else None
         fired, reached = walk.fired, walk.reached[sequence]
-        handovers = [(param, args, FIRED)]
-        k += 1
+        handovers = []
         while k < len(params):
             if due is not None and due[k] > clock:
                 break
