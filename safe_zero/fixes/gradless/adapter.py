@@ -82,7 +82,7 @@ class PlannerAdapter:
         # the buckets. A zero gradient on every other parameter makes every rank's flush reduce the same ones; no
         # collective is needed, so this holds with "find_unused_parameters": false too.
         planner = self._safe_zero_planner
-        if planner is not None and planner.mode is not Mode.PASS_THROUGH \
+        if planner is not None and planner.routes \
                 and getattr(self, "_coalesce_grad_reduction", False):
             for param in self._trainable_params():
                 if param.grad is None:

@@ -247,6 +247,8 @@ class Planner:
 
     def __init__(self, mode: Mode, backend: Backend, *, clocked: bool = False, queues: bool = False) -> None:
         self.mode = mode
+        #: Whether the hooks go through :meth:`hook` (several ranks), read per hook.
+        self.routes = mode is not Mode.PASS_THROUGH
         self.backend = backend
         self.clocked = clocked
         self.queues = queues

@@ -9,7 +9,7 @@ from deepspeed import comm as dist
 
 from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, PlannerAdapter
 from safe_zero.fixes.gradless.collectives import zero_grad_for
-from safe_zero.fixes.gradless.planner import FIRED, Mode
+from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
 
 
@@ -42,6 +42,10 @@ class ReduceInOneOrderStage12(PlannerAdapter):
             return  # earlier micro-steps left it a gradient
         zero_grad_for(self, param, param.shape, param.device, why)
 
+    def _at_accumulation_boundary(self) -> bool:
+        boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
+        return bool(boundary() if callable(boundary) else boundary)
+
     def _reduce(self, param: torch.nn.Parameter, i: int) -> None:
         super().process_gradients(param, i)
 
@@ -55,11 +59,10 @@ class ReduceInOneOrderStage12(PlannerAdapter):
         # The conditions of stock process_gradients / reduce_ready_partitions_and_remove_grads: else the hooks only
         # accumulate (or DeepSpeed's coalesce_grad_reduction defers them itself). Outside a backward (that flush)
         # there is no graph to ask, and DeepSpeed calls in parameter order on every rank anyway.
-        if planner.mode is not Mode.PASS_THROUGH and not getattr(self, "_coalesce_grad_reduction", False):
-            boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
+        if planner.routes and not getattr(self, "_coalesce_grad_reduction", False) \
+                and (self.partition_gradients or self.overlap_comm and self._at_accumulation_boundary()):
             task = torch._C._current_graph_task_id()
-            if task != -1 and (self.partition_gradients
-                               or self.overlap_comm and (boundary() if callable(boundary) else boundary)):
+            if task != -1:
                 for param, args, reason in planner.hook(param, (i,), task):
                     if param.grad is None:
                         self._zero_fill(param, WHY[reason])

@@ -73,7 +73,7 @@ class ReduceInOneOrderStage3(PlannerAdapter):
             return
         # DeepSpeed's coalesce_grad_reduction flush calls this outside any backward: no graph to ask there, and
         # DeepSpeed calls in parameter order on every rank anyway.
-        if planner.mode is not Mode.PASS_THROUGH and not getattr(self, "_coalesce_grad_reduction", False):
+        if planner.routes and not getattr(self, "_coalesce_grad_reduction", False):
             task = torch._C._current_graph_task_id()
             if task != -1:
                 clock = self._safe_zero_clock
