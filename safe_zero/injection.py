@@ -23,11 +23,12 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from safe_zero import alignment, leaf_modules, patching, wrappers
+from safe_zero import alignment, patching, wrappers
 from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS, SUPPORTED_DEEPSPEED, check_deepspeed_supported
 from safe_zero.errors import (DeepSpeedDriftError, InjectionError, UnreachableModeError,  # noqa: F401  (re-exported)
                               UnsupportedPrecisionError)
 from safe_zero.fixes import zero3_zero_element_params, zero_element_groups
+from safe_zero.fixes.gradless_params import blocks_to_gather_whole, make_leaves
 from safe_zero.options import SafeZeroOptions, pass_config, resolve_config, zero_stage
 from safe_zero.patching import stock_class, swap, swapped
 from safe_zero.session import Session, made_current
@@ -219,7 +220,7 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
     config = resolve_config(arguments)
     session = Session(options=SafeZeroOptions.from_config(config))
     check_precision(config)
-    leaf_blocks = leaf_modules.blocks_to_gather_whole(arguments.get("model"), config, session)
+    leaf_blocks = blocks_to_gather_whole(arguments.get("model"), config, session)
     adjusted = alignment.prepare_config(arguments.get("model"), config, session)
     stock_modes = check_reachable(config, arguments.get("model"), session, leaf_blocks)
     if adjusted is not None:  # grouped_mm weights: DeepSpeed's own padding switched on
@@ -234,7 +235,7 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
         result = inner(*args, **kwargs)
         result[0].safe_zero_session = session
         return result
-    leaf_modules.make_leaves(leaf_blocks, session)
+    make_leaves(leaf_blocks, session)
     with injected(session):
         result = inner(*args, **kwargs)
     engine = result[0]

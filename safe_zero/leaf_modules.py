@@ -17,14 +17,17 @@ MoE layers). Transformers' fused 3-D experts are single parameters and need noth
 
 A module that some ranks skip altogether (an optional vision tower) cannot be a leaf: a rank that
 never enters it never gathers it. ``"optional_modules"`` names those; :func:`optional_modules` finds
-them and ``safe_zero.fixes.gradless_params`` keeps their parameters gathered on every rank.
+them and ``safe_zero.fixes.gradless_params`` keeps their parameters gathered on every rank. That fix also
+decides which blocks to gather whole (``blocks_to_gather_whole``): this module only finds them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 from torch import nn
+
+from safe_zero.errors import SafeZeroConfigError
 
 
 def _names(klass: type) -> set[str]:
@@ -65,8 +68,6 @@ def optional_modules(model: nn.Module, entries: Iterable[str]) -> dict[str, nn.M
     Raises ``SafeZeroConfigError`` for an entry that names no module below the root: a typo must not
     leave a hang, and every rank runs the root anyway.
     """
-    from safe_zero.errors import SafeZeroConfigError
-
     entries = list(entries)
     found: dict[str, nn.Module] = {}
     matched: set[str] = set()
@@ -82,30 +83,3 @@ def optional_modules(model: nn.Module, entries: Iterable[str]) -> dict[str, nn.M
         raise SafeZeroConfigError(f'"safe_zero.optional_modules" entries {missing} name no module below the model\'s '
                                   "root; use a qualified name from model.named_modules() or a class name")
     return found
-
-
-def blocks_to_gather_whole(model: Any, config: dict[str, Any] | None, session: Any) -> dict[str, nn.Module]:
-    """The MoE blocks of a ZeRO-3 model that are not leaf modules yet (none when the ``gradless_params`` fix is off)."""
-    from deepspeed.utils import z3_leaf_module
-
-    from safe_zero.fixes.gradless_params import FIX
-
-    stage = int(((config or {}).get("zero_optimization") or {}).get("stage", 0) or 0)
-    if stage != 3 or not isinstance(model, nn.Module) or not session.uses(FIX):
-        return {}
-    options = session.options.leaf_modules
-    blocks = moe_blocks(model, options.get("add", ()), options.get("remove", ()))
-    return {name: module for name, module in blocks.items() if not z3_leaf_module(module)}
-
-
-def make_leaves(blocks: dict[str, nn.Module], session: Any) -> None:
-    """Mark ``blocks`` as ZeRO-3 leaf modules and report them."""
-    from deepspeed.utils import set_z3_leaf_module
-
-    from safe_zero.fixes.gradless_params import FIX
-
-    for module in blocks.values():
-        set_z3_leaf_module(module, True)
-    if blocks:
-        classes = sorted({type(m).__name__ for m in blocks.values()})
-        session.engaged(FIX, f"{len(blocks)} MoE block(s) gathered whole as ZeRO-3 leaf modules ({', '.join(classes)})")

@@ -59,10 +59,8 @@ class SafeZeroOptions:
             ranks that skipped them. Costs their full size in memory on every rank; optimizer state
             stays partitioned. ZeRO-1/2 need nothing and ignore it.
         find_unused_parameters: DDP's option of the same name, default ``true``: a parameter some rank did not
-            use is reduced with a zero gradient from it. In the first backward the ranks agree on which parameters
-            each used (one all-reduce of one byte per trainable parameter) and on one reduction order (one
-            broadcast); later backwards follow that order with no collective (reentrant activation checkpointing
-            keeps the agreement in every backward). ``false`` promises
+            use is reduced with a zero gradient from it: one all-reduce and one broadcast in the first backward,
+            no collective after it (docs/rank_agreement.md). ``false`` promises
             that every rank uses every trainable parameter in every backward (DDP's default): no
             collective is added, and a rank that sees a parameter without a gradient raises
             ``UnusedParameterError`` instead of training wrong.

@@ -106,15 +106,8 @@ def test_module_level_imports_have_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-# The one known cycle, being removed: gradless_params imports leaf_modules inside a function (optional_modules), and
-# leaf_modules imports gradless_params (its FIX). Delete this edge's exception once that refactor has landed.
-KNOWN_FUNCTION_LEVEL_EDGES = {("safe_zero.fixes.gradless_params", "safe_zero.leaf_modules")}
-
-
 def test_imports_inside_functions_hide_no_cycle():
     graph = _graph(_all_imports)
-    for importer, imported in KNOWN_FUNCTION_LEVEL_EDGES:
-        graph[importer].discard(imported)
     cycle = _cycle(graph)
     assert cycle is None, "import cycle once every import is at the top of its module: " + " -> ".join(cycle)
 

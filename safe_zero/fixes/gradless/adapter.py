@@ -1,0 +1,129 @@
+"""What the ZeRO-1/2 and ZeRO-3 optimizer mixins share: they feed a :class:`Planner` the events of each backward
+and carry out the hand-overs it returns (docs/rank_agreement.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from safe_zero.errors import UnusedParameterError
+from safe_zero.fixes.gradless import FIX
+from safe_zero.fixes.gradless.collectives import DataParallelRanks
+from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Handover, Mode, Planner
+from safe_zero.patching import overrides
+from safe_zero.session import session_for
+
+WHY_NOT_USED = "was not used on this rank"
+#: What a zero gradient stands for, indexed by why the planner hands the parameter over (the report's wording).
+WHY = {FIRED: "had no gradient", UNUSED: WHY_NOT_USED, HELD: WHY_NOT_USED}
+
+
+class PlannerAdapter:
+    """Base of ``ReduceInOneOrderStage12`` and ``ReduceInOneOrderStage3``.
+
+    A stage mixin builds its planner once, at construction (:meth:`_start_planner`), and from then on tells it
+    of every backward's start, every reducing hook and the epilogue. Its hook override calls DeepSpeed's own hook
+    body (``_reduce``) for what the planner returns, with a zero gradient where the parameter has none.
+    """
+
+    #: ``None``: the fix is off for this optimizer's session, and every override passes through.
+    _safe_zero_planner: Planner | None = None
+
+    def _start_planner(self, world: int, clocked: bool, queues: bool) -> Planner | None:
+        session = session_for(self)
+        if not session.uses(FIX):
+            return None
+        mode = (Mode.PASS_THROUGH if world < 2 else
+                Mode.AGREED if session.options.find_unused_parameters else Mode.STRICT)
+        backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group, session)
+        self._safe_zero_planner = Planner(mode, backend, clocked=clocked, queues=queues)
+        return self._safe_zero_planner
+
+    # -- what each stage provides --------------------------------------------------------------------------------
+
+    def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        """Per data-parallel group, the trainable parameters whose hooks the planner sees."""
+        raise NotImplementedError
+
+    def _ordered_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        """Per data-parallel group, the parameters an agreed order sequences."""
+        return self._reduced_params_by_group()
+
+    def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
+        raise NotImplementedError
+
+    def _reduce(self, param: torch.nn.Parameter, *args: Any) -> None:
+        """DeepSpeed's hook body for ``param``."""
+        raise NotImplementedError
+
+    def _walkable(self) -> bool:
+        """Whether an order agreed at this epilogue can be walked in the next backwards."""
+        return True
+
+    # -- the events ------------------------------------------------------------------------------------------------
+
+    @overrides
+    def enter_backward(self) -> None:
+        # engine.backward enters here before autograd runs: what a backward that never reached its epilogue (an
+        # exception) left must not decide this one. Reentrant phases re-enter from inside a hook.
+        if self._safe_zero_planner is not None and torch._C._current_graph_task_id() == -1:
+            self._safe_zero_planner.begin_backward()
+        super().enter_backward()
+
+    @overrides
+    def backward_epilogue(self, *args: Any, **kwargs: Any) -> None:
+        # Inside DeepSpeed's coalesce_grad_reduction the hooks only accumulate, and the flush at the block's exit
+        # reduces the parameters that have a gradient on this rank, in parameter order (0.19.8 engine.py:3300-3336,
+        # _flush_coalesced_reduction_zero12/_zero3): a parameter only some ranks used would shift every later one in
+        # the buckets. A zero gradient on every other parameter makes every rank's flush reduce the same ones; no
+        # collective is needed, so this holds with "find_unused_parameters": false too.
+        planner = self._safe_zero_planner
+        if planner is not None and planner.routes \
+                and getattr(self, "_coalesce_grad_reduction", False):
+            for param in self._trainable_params():
+                if param.grad is None:
+                    self._zero_fill(param, WHY_NOT_USED)
+        super().backward_epilogue(*args, **kwargs)
+
+    def _finish_backward(self, params_in_order: Iterable[tuple[torch.nn.Parameter, tuple]]) -> None:
+        """At the epilogue, before DeepSpeed's: check the strict contract, or hand over what the planner held back
+        (``params_in_order``: every parameter with its hook arguments, in parameter order), then let it settle the
+        order for the next backwards.
+
+        Raises ``UnusedParameterError`` (``"find_unused_parameters": false``) naming the trainable parameters whose
+        hook did not fire on this rank; no collective, so only that rank raises."""
+        planner = self._safe_zero_planner
+        if planner is None:
+            return
+        if planner.mode is Mode.STRICT:
+            # DDP's default contract, checked on this rank before the optimizer step can apply a wrong update.
+            missed = planner.unfired(p for _, group in self._reduced_params_by_group() for p in group)
+            if missed:
+                raise UnusedParameterError(self._unused_message(missed))
+            return
+        handovers = planner.finish_backward(params_in_order)
+        if not getattr(self, "_safe_zero_held_reported", False) and any(h[2] == HELD for h in handovers):
+            session_for(self).engaged(FIX, "parameters some ranks did not use were reduced in parameter order "
+                                           "with zero gradients from those ranks")
+            self._safe_zero_held_reported = True
+        self._carry_out(handovers)
+        planner.settle_order(self._walkable())
+
+    def _carry_out(self, handovers: list[Handover]) -> None:
+        for param, args, reason in handovers:
+            if param.grad is None:
+                self._zero_fill(param, WHY[reason])
+            self._reduce(param, *args)
+
+    def _unused_message(self, missed: list[torch.nn.Parameter]) -> str:
+        names = getattr(self, "param_names", {}) or {}
+        shown = [names.get(p, f"parameter of shape {tuple(getattr(p, 'ds_shape', p.shape))}") for p in missed[:5]]
+        return (f"{len(missed)} trainable parameter(s) got no gradient in this backward on this rank ({shown}), but "
+                '"safe_zero": {"find_unused_parameters": false} promises that every rank uses every parameter, so '
+                "the ranks' gradient buckets no longer match. Remove that setting (the default, true, lets the ranks "
+                "agree on what each used, like DDP's find_unused_parameters=True), or freeze the parameters that are "
+                "never used.")

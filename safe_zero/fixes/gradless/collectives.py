@@ -1,0 +1,91 @@
+"""What a :class:`~safe_zero.fixes.gradless.planner.Planner` needs from torch: autograd's reachability, the
+data-parallel collectives, and zero gradients."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+from safe_zero.errors import ReentrantCheckpointWarning
+from safe_zero.fixes.gradless import FIX
+from safe_zero.session import Session, session_for
+
+
+def reached(params: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether the running backward will execute each parameter's gradient accumulator (as DeepSpeed's own
+    ``count_used_parameters_in_backward`` asks). Asked afresh in each backward, never held: a held accumulator
+    would be reused by the next forward, with the shape the parameter had when it was made."""
+    will_execute = torch._C._will_engine_execute_node
+    with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
+        nodes = [_get_grad_fn_or_grad_acc(p) for p in params]
+    return [node is not None and bool(will_execute(node)) for node in nodes]
+
+
+class _Flags:
+    def __init__(self, flags: torch.Tensor, work: Any) -> None:
+        self.flags, self.work = flags, work
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    def result(self) -> list[int]:
+        self.work.wait()
+        return self.flags.tolist()
+
+
+class DataParallelRanks:
+    """The planner's :class:`~safe_zero.fixes.gradless.planner.Backend` on DeepSpeed's process groups.
+
+    ``agreed`` and ``ordered`` list an optimizer's trainable parameters per data-parallel group; ``session`` is
+    the optimizer's, told once that reentrant checkpointing holds gradients for the epilogue.
+    """
+
+    def __init__(self, agreed: Callable[[], list[tuple[Any, list[torch.Tensor]]]],
+                 ordered: Callable[[], list[tuple[Any, list[torch.Tensor]]]], session: Session) -> None:
+        self.agreed_groups = agreed
+        self.ordered_groups = ordered
+        self.reached = reached
+        self._session = session
+        self._warned = False
+
+    def nested_backward(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn("reentrant activation checkpointing (use_reentrant=True) at more than one data-parallel "
+                          "rank: the gradients of checkpointed blocks are reduced at the end of the backward, held "
+                          "in full until then, so that every rank reduces the same parameters in the same order. "
+                          "Non-reentrant checkpointing (use_reentrant=False, e.g. Trainer's gradient_checkpointing_"
+                          'kwargs={"use_reentrant": False}) keeps DeepSpeed\'s overlap and memory.',
+                          ReentrantCheckpointWarning, stacklevel=5)
+            self._session.engaged(FIX, "reentrant activation checkpointing: checkpointed blocks' gradients reduced "
+                                       "at the end of the backward")
+
+    @staticmethod
+    def all_reduce_min(group: Any, flags: list[bool]) -> _Flags:
+        tensor = torch.tensor(flags, dtype=torch.uint8, device=get_accelerator().current_device_name())
+        return _Flags(tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group, async_op=True))
+
+    @staticmethod
+    def broadcast_from_first(group: Any, rows: list[list[int]]) -> list[list[int]]:
+        tensor = torch.tensor(rows, dtype=torch.int64, device=get_accelerator().current_device_name())
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+        return tensor.tolist()
+
+
+def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any,
+                  why: str = "had no gradient") -> None:
+    """Give ``param`` a zero gradient of its full ``shape`` (also when ZeRO-3 has already released its data)."""
+    zeros = torch.zeros(shape, dtype=param.dtype, device=device)
+    if param.shape == zeros.shape:
+        param.grad = zeros
+    else:  # a released ZeRO-3 parameter: autograd refuses a grad of another shape, DeepSpeed sets .data the same way
+        param.grad = torch.zeros_like(param)
+        param.grad.data = zeros
+    if not getattr(param, "_safe_zero_gradless_reported", False):
+        session_for(wrapper).engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
+        param._safe_zero_gradless_reported = True

@@ -1,0 +1,282 @@
+"""ZeRO-3's module order: the module clock, one module order on every rank, optional modules kept gathered, MoE
+blocks gathered whole (docs/rank_agreement.md)."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as torch_dist
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
+from torch import nn
+
+from safe_zero.errors import RankDivergenceError
+from safe_zero.fixes.gradless import FIX
+from safe_zero.fixes.gradless.planner import Planner
+from safe_zero.leaf_modules import moe_blocks, optional_modules
+from safe_zero.options import zero_stage
+from safe_zero.patching import overrides
+from safe_zero.session import Session, session_for
+
+
+class ModuleClock:
+    """The modules a ZeRO-3 forward and its backward have entered so far, as DeepSpeed's trace counts them: the
+    same on every rank while they follow one module order.
+
+    The one channel between safe_zero's coordinator, which moves it (:meth:`enter`, :meth:`restart`,
+    :meth:`left_order`), and the optimizer whose walk follows it (:meth:`follow`). Every gather of a backward
+    follows a module's entry, so a follower told of each entry before its gathers can hand over there what rank 0
+    handed over before that point.
+    """
+
+    def __init__(self, recorded: Callable[[], bool]) -> None:
+        self.position = 0
+        #: Whether DeepSpeed's module order is recorded and still followed (a walk on this clock can hold).
+        self.recorded = recorded
+        self._planner: Planner | None = None
+        self._at_boundary: Callable[[int, int], None] | None = None
+
+    def follow(self, planner: Planner, at_boundary: Callable[[int, int], None]) -> None:
+        """``at_boundary(position, task)`` is called at each module entry of a backward where ``planner`` may hand
+        over something (its ``wake_at``/``wake_task``), before that module's gathers."""
+        self._planner, self._at_boundary = planner, at_boundary
+
+    def restart(self) -> None:
+        """A forward begins (DeepSpeed's ``reset_step``), on every rank alike."""
+        self.position = 0
+
+    def enter(self, task: int) -> int:
+        """A module is entered in autograd task ``task`` (-1: no backward runs), its gathers to follow. Called on
+        every rank in the same order while they follow one module order. Returns the module's position."""
+        position = self.position
+        planner = self._planner
+        if planner is not None and task != -1 and (position >= planner.wake_at or task != planner.wake_task):
+            self._at_boundary(position, task)
+        self.position = position + 1
+        return position
+
+    def left_order(self) -> None:
+        """Every rank left the recorded module order at the same module (agreed through the store)."""
+        if self._planner is not None:
+            self._planner.left_order()
+
+
+def _module_params(module: nn.Module) -> list[nn.Parameter]:
+    return list(iter_params(module, recurse=z3_leaf_module(module)))
+
+
+def blocks_to_gather_whole(model: Any, config: dict[str, Any] | None, session: Session) -> dict[str, nn.Module]:
+    """The MoE blocks of a ZeRO-3 model that are not leaf modules yet (none when the ``gradless_params`` fix is off)."""
+    if zero_stage(config) != 3 or not isinstance(model, nn.Module) or not session.uses(FIX):
+        return {}
+    options = session.options.leaf_modules
+    blocks = moe_blocks(model, options.get("add", ()), options.get("remove", ()))
+    return {name: module for name, module in blocks.items() if not z3_leaf_module(module)}
+
+
+def make_leaves(blocks: dict[str, nn.Module], session: Session) -> None:
+    """Mark ``blocks`` as ZeRO-3 leaf modules and report them."""
+    for module in blocks.values():
+        set_z3_leaf_module(module, True)
+    if blocks:
+        classes = sorted({type(m).__name__ for m in blocks.values()})
+        session.engaged(FIX, f"{len(blocks)} MoE block(s) gathered whole as ZeRO-3 leaf modules ({', '.join(classes)})")
+
+
+class KeepsOptionalModulesGathered:
+    """Mixin for ``DeepSpeedZeRoOffload``: the ``"optional_modules"`` stay gathered on every rank.
+
+    Their parameters join DeepSpeed's persistent parameters, which the optimizer gathers again after
+    every step and checkpoint (``stage3.py`` ``_post_step``, ``checkpoint_event_epilogue``); the
+    coordinator leaves their modules out of the trace and gathers them at the start of a forward where
+    anything else released them. Also hands the coordinator the module names for its errors.
+    """
+
+    @overrides
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        session = session_for(self)
+        if not session.uses(FIX):
+            return
+        coordinator = self.get_param_coordinator()
+        ours = isinstance(coordinator, AgreesOnModulesWhileRecording)
+        if ours:
+            coordinator.name_modules({m.ds_id: name or type(module).__name__ for name, m in module.named_modules()
+                                      if hasattr(m, "ds_id")})
+        optional = optional_modules(module, session.options.optional_modules)
+        if not optional:
+            return
+        kept = {id(m) for outer in optional.values() for m in outer.modules()}
+        params = list(dict.fromkeys(p for outer in optional.values() for p in outer.parameters()))
+        persistent = {id(p) for p in self.persistent_parameters}
+        for param in params:
+            param.ds_persist = True
+            if id(param) not in persistent:
+                self.persistent_parameters.append(param)
+        if ours:
+            coordinator.keep_gathered(kept, params)
+        session.engaged(FIX, f"optional module(s) {', '.join(optional)} kept gathered on every rank under ZeRO-3")
+
+
+def _skippable_candidates(names: list[str]) -> list[str]:
+    """The children of the modules' deepest common ancestor on their paths: one of them is what some ranks skip."""
+    distinct = list(dict.fromkeys(names))
+    common = distinct[0].split(".")
+    for name in distinct[1:]:
+        parts = name.split(".")
+        common = common[:next((k for k, (a, b) in enumerate(zip(common, parts)) if a != b),
+                              min(len(common), len(parts)))]
+    return list(dict.fromkeys(".".join(name.split(".")[:len(common) + 1]) for name in distinct))
+
+
+def _left_alone_message(names: dict[int, str], module: nn.Module, expected: int | None, timeout: float) -> str:
+    name = names.get(module.ds_id, type(module).__name__)
+    other = names.get(expected, f"module #{expected}") if expected is not None else None
+    ran = f"`{other}`, which" if other else "the module that"
+    candidates = _skippable_candidates([name] + ([other] if other else []))
+    return (f"under ZeRO-3 this rank entered `{name}` where DeepSpeed's recorded module order has {ran} the other "
+            f"ranks are running now: no other rank left the order within {timeout:g} s, so their parameter "
+            "gathers no longer match this rank's (stock DeepSpeed hangs here). If the model skips a module for "
+            "some inputs (an optional tower, a conditional adapter), list it in the DeepSpeed config: "
+            f'"safe_zero": {{"optional_modules": ["{candidates[-1]}"]}} (one of {candidates}); its parameters '
+            'then stay gathered on every rank. ("safe_zero": {"module_order_timeout": seconds} sets the wait.)')
+
+
+def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
+    names = [names_by_id.get(i, f"module #{i}") for i in ids]
+    ran = ", ".join(f"rank {rank} `{name}`" for rank, name in enumerate(names))
+    candidates = _skippable_candidates(names)
+    return (f"under ZeRO-3 the ranks entered different modules at the same point of the forward ({ran}), so "
+            "their parameter gathers would no longer match (stock DeepSpeed hangs here, or stops a step later "
+            "with 'Detected a disagreement on list contents'). If the model skips a module for some inputs (an "
+            "optional tower, a conditional adapter), list it in the DeepSpeed config, e.g. "
+            f'"safe_zero": {{"optional_modules": ["{candidates[0]}"]}} (one of {candidates}): its parameters '
+            "then stay gathered on every rank and it trains as DDP would. If these are experts of one MoE "
+            'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')
+
+
+class AgreesOnModulesWhileRecording:
+    """Mixin for ``PartitionedParameterCoordinator``: optional modules out of the trace, and one module order.
+
+    - A kept (optional) module is invisible to the trace, the fetch and the release: its parameters are
+      gathered at the start of each forward where they are not (a collective every rank makes there).
+    - While DeepSpeed records the trace, the ranks all-gather the id of each module with non-empty parameters
+      before its gather (one 8-byte element per rank per module, in recording forwards only) and raise the same
+      ``RankDivergenceError`` on every rank when they differ. Once the trace is complete, prefetching follows
+      it and nothing is added.
+    - A rank that then leaves the recorded order cannot ask the others with a collective they might not make.
+      It posts the module it entered to the process group's store and waits up to ``"module_order_timeout"``
+      seconds for every rank to post at the same point: all did, with the same module, and training goes on
+      (DeepSpeed records the order again); otherwise it raises ``RankDivergenceError`` naming the module the
+      others ran, instead of hanging in its next gather.
+    - ``module_clock`` (:class:`ModuleClock`) counts the modules entered, for the ZeRO-3 optimizer's walk.
+    """
+
+    _safe_zero_names: dict[int, str] = {}
+    _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
+    _safe_zero_kept_params: list[nn.Parameter] = []
+    #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
+    _safe_zero_built = itertools.count()
+
+    @overrides
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._safe_zero_on = session_for(self).uses(FIX)  # asked per module entry
+        super().__init__(*args, **kwargs)
+        self._safe_zero_engine_id = next(AgreesOnModulesWhileRecording._safe_zero_built)
+        self._safe_zero_forwards = 0  # forwards begun (reset_step), the same count on every rank
+        self.module_clock = ModuleClock(lambda: not self.is_invalid_trace())
+        self._safe_zero_recorded: list[int] = []  # the module ids of the trace being or last recorded
+        self._safe_zero_recording: list[int] = []
+        # DeepSpeed releases per module entry; with nothing kept gathered (until keep_gathered) the override below
+        # has nothing to do, so the release goes to the next class's directly.
+        self.release_sub_module = super().release_sub_module
+
+    def name_modules(self, names: dict[int, str]) -> None:
+        """The module names (by ``ds_id``) its errors use."""
+        self._safe_zero_names = names
+
+    def keep_gathered(self, modules: set[int], params: list[nn.Parameter]) -> None:
+        """Leave ``modules`` (by ``id``) out of the trace, fetch and release, and gather ``params`` again at the
+        start of a forward where something released them."""
+        self._safe_zero_kept_modules, self._safe_zero_kept_params = modules, params
+        self.__dict__.pop("release_sub_module", None)  # back to the override below
+
+    @overrides
+    def reset_step(self) -> None:
+        if self.is_record_trace() and self._safe_zero_recording:
+            self._safe_zero_recorded = self._safe_zero_recording
+        super().reset_step()
+        self._safe_zero_recording = []
+        self._safe_zero_forwards += 1
+        self.module_clock.restart()
+        released = [p for p in self._safe_zero_kept_params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if released:  # released on every rank alike: by an optimizer step, a checkpoint or empty_partition_cache
+            released[0].all_gather(param_list=released)
+
+    @overrides
+    def trace_prologue(self, sub_module: nn.Module) -> None:
+        if id(sub_module) in self._safe_zero_kept_modules:
+            return
+        position = self.module_clock.enter(torch._C._current_graph_task_id())
+        complete = self.is_complete_trace()
+        super().trace_prologue(sub_module)
+        if complete and self._safe_zero_on and self.is_invalid_trace():
+            self._agree_on_leaving_the_trace(sub_module, position)
+            self.module_clock.left_order()
+
+    def _agree_on_leaving_the_trace(self, module: nn.Module, position: int) -> None:
+        store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
+        if not torch_dist.is_initialized() or torch_dist.get_world_size() < 2 or store_of is None:
+            return
+        store, rank, world = store_of(), torch_dist.get_rank(), torch_dist.get_world_size()
+        prefix = f"safe_zero/module_order/{self._safe_zero_engine_id}/{self._safe_zero_forwards}/{position}/"
+        store.set(f"{prefix}{rank}", str(module.ds_id))
+        timeout = session_for(self).options.module_order_timeout
+        try:
+            store.wait([f"{prefix}{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
+        except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
+            expected = self._safe_zero_recorded[position] if position < len(self._safe_zero_recorded) else None
+            raise RankDivergenceError(_left_alone_message(self._safe_zero_names, module, expected, timeout)) from None
+        ids = [int(store.get(f"{prefix}{r}")) for r in range(world)]
+        if len(set(ids)) > 1:
+            raise RankDivergenceError(_divergence_message(self._safe_zero_names, ids))
+
+    @overrides
+    def record_module(self, sub_module: nn.Module) -> None:
+        if id(sub_module) not in self._safe_zero_kept_modules:
+            super().record_module(sub_module)
+            self._safe_zero_recording.append(sub_module.ds_id)
+
+    @overrides
+    def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
+        if id(current_submodule) in self._safe_zero_kept_modules:
+            return
+        if forward and self._safe_zero_on and self.is_record_trace():
+            # Modules whose parameters are all zero-element gather nothing: no agreement either.
+            params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
+            if params:
+                self._agree_on_module(current_submodule, params[0].ds_process_group)
+        super().fetch_sub_module(current_submodule, forward)
+
+    @overrides
+    def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
+        if id(submodule) not in self._safe_zero_kept_modules:
+            super().release_sub_module(submodule, forward)
+
+    def _agree_on_module(self, module: nn.Module, group: Any) -> None:
+        world = dist.get_world_size(group=group)
+        if world < 2:
+            return
+        device = get_accelerator().current_device_name()
+        mine = torch.tensor([module.ds_id], dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine, group=group)
+        ids = [int(t.item()) for t in everyone]
+        if len(set(ids)) > 1:
+            raise RankDivergenceError(_divergence_message(self._safe_zero_names, ids))

@@ -1,0 +1,434 @@
+"""The rank agreement as a pure state machine: what each rank hands DeepSpeed, and when (docs/rank_agreement.md).
+
+No torch and no DeepSpeed here. The ZeRO mixins (``stage12``, ``stage3``) feed a :class:`Planner` the events of
+a backward -- a gradient hook fired, the backward entered a module (ZeRO-3), the ranks left the module order, the
+epilogue -- and carry out what it returns: the parameters to hand DeepSpeed now, in that order, each with why
+(:data:`FIRED`, :data:`UNUSED`, :data:`HELD`). Autograd's "will this backward reach it" and the collectives come
+in through a :class:`Backend`, so the replay tests (``tests/fixes/test_gradless_planner.py``) drive several
+planners in one process with recorded per-rank events and check that every rank hands over the same sequence.
+
+Every method of a planner is called on every rank for the same events in the same order, except :meth:`hook`,
+whose calls follow each rank's own autograd and need not match across ranks: that is the point.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Iterable, Protocol, Sequence
+
+from safe_zero.errors import RankDivergenceError
+
+#: The due clock of a parameter rank 0's first backward did not reach: it is handed over at the epilogue.
+AT_EPILOGUE = 2**62
+#: ``Planner.wake_at`` while no module boundary can make anything due.
+NEVER = 2**63
+
+#: Why a parameter is handed over. FIRED: its hook fired on this rank (a ``None`` gradient there goes as zeros).
+FIRED = 0
+#: UNUSED: this rank's backward will not reach it; it goes as zeros in its turn.
+UNUSED = 1
+#: HELD: some rank's backward did not reach it in an agreed backward; every rank hands it over at the epilogue.
+HELD = 2
+
+#: ``(parameter, the hook arguments DeepSpeed registered for it, FIRED | UNUSED | HELD)``.
+Handover = tuple[Any, tuple, int]
+
+
+class Mode(enum.Enum):
+    """What the planner does with the hooks, fixed when the optimizer is built."""
+
+    #: One data-parallel rank: each hook goes to DeepSpeed as it fires.
+    PASS_THROUGH = "pass-through"
+    #: ``"find_unused_parameters": false``: DDP's default contract, every rank uses every parameter. Hooks pass
+    #: through; the epilogue checks, locally, that every one fired (:meth:`Planner.unfired`).
+    STRICT = "strict"
+    #: The ranks agree on what each backward reaches, then walk one agreed order.
+    AGREED = "agreed"
+
+
+class Phase(enum.Enum):
+    """Where a :class:`Planner` in ``Mode.AGREED`` stands."""
+
+    #: No agreed order: the next reducing backward agrees (the first one, or after the order was dropped).
+    UNAGREED = "unagreed"
+    #: An agreement of this backward is in flight or known; parameters some rank misses wait for the epilogue.
+    AGREEING = "agreeing"
+    #: An order is agreed and this backward has not begun to walk it.
+    ORDERED = "ordered"
+    #: This backward walks the agreed order.
+    WALKING = "walking"
+    #: ZeRO-3: every rank left the module order in this backward; the rest of the walk waits for the epilogue.
+    HOLDING = "holding"
+
+
+class InFlight(Protocol):
+    """An all-reduce (MIN) started by :meth:`Backend.all_reduce_min`."""
+
+    def done(self) -> bool:
+        """Whether the result is in (without waiting)."""
+
+    def result(self) -> list[int]:
+        """The reduced flags (waits for them)."""
+
+
+class Backend(Protocol):
+    """What a planner needs from autograd and the process groups; the mixins' is ``collectives.DataParallelRanks``."""
+
+    def agreed_groups(self) -> list[tuple[Any, list[Any]]]:
+        """Per data-parallel group: the trainable parameters an agreement covers (``(group, params)``)."""
+
+    def ordered_groups(self) -> list[tuple[Any, list[Any]]]:
+        """Per data-parallel group: the trainable parameters an agreed order sequences."""
+
+    def reached(self, params: Sequence[Any]) -> list[bool]:
+        """Whether the running backward of this rank will reach each parameter's gradient accumulator."""
+
+    def all_reduce_min(self, group: Any, flags: list[bool]) -> InFlight:
+        """Start the MIN all-reduce of one flag per parameter over ``group``."""
+
+    def broadcast_from_first(self, group: Any, rows: list[list[int]]) -> list[list[int]]:
+        """``rows`` (equal lengths) as the group's first rank has them."""
+
+    def nested_backward(self) -> None:
+        """A nested backward (reentrant checkpointing) ran inside this one: tell the user, once."""
+
+
+class ReductionOrder:
+    """The one order in which every rank hands DeepSpeed its trainable parameters, per data-parallel group.
+
+    ``sequences[s][k]`` is the k-th parameter of group ``s``; ``args`` and ``due`` are aligned with it: the hook
+    arguments DeepSpeed registered for it, and (ZeRO-3) the module clock at which rank 0's hook fired for it.
+    """
+
+    def __init__(self, sequences: list[list[Any]], args: list[list[tuple]], due: list[list[int]] | None) -> None:
+        self.sequences = sequences
+        self.args = args
+        self.due = due
+        self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
+
+    @classmethod
+    def agree(cls, backend: Backend, arrived: list[Any], args: dict[int, tuple],
+              clocks: dict[int, int] | None) -> ReductionOrder:
+        """Rank 0's hook order (``arrived``), the parameters it did not reach after it in parameter order, and on
+        ZeRO-3 the module clock of each hook: one broadcast per group, on every rank."""
+        sequences, args_rows, due_rows = [], [], []
+        for group, params in backend.ordered_groups():
+            if not params:
+                continue
+            index = {id(p): k for k, p in enumerate(params)}
+            mine = list(dict.fromkeys(index[id(p)] for p in arrived if id(p) in index))
+            mine += sorted(set(range(len(params))) - set(mine))
+            rows = [mine] if clocks is None else [mine, [clocks.get(id(params[k]), AT_EPILOGUE) for k in mine]]
+            rows = backend.broadcast_from_first(group, rows)
+            sequence = [params[k] for k in rows[0]]
+            sequences.append(sequence)
+            args_rows.append([args[id(p)] for p in sequence])
+            if clocks is not None:
+                due_rows.append(list(rows[1]))
+        return cls(sequences, args_rows, due_rows if clocks is not None else None)
+
+
+class _Agreement:
+    """One backward's agreement on which parameters some rank does not reach: all-reduces in flight, then a set."""
+
+    def __init__(self, task: int, backend: Backend) -> None:
+        self.task = task
+        self.queued: list[tuple[Any, tuple]] = []  # hooks that fired before the answer landed, in arrival order
+        self.arrived: list[Any] = []  # every reducing hook's parameter, in the order they fired
+        self.clocks: dict[int, int] = {}  # ZeRO-3: per parameter, the module clock at its first hook
+        self.held: set[int] | None = None
+        self._pending = [(params, backend.all_reduce_min(group, backend.reached(params)))
+                         for group, params in backend.agreed_groups() if params]
+
+    def known(self, wait: bool) -> bool:
+        """Whether the answer is in (``wait``: wait for it)."""
+        if self.held is None:
+            if not wait and not all(flight.done() for _, flight in self._pending):
+                return False
+            held: set[int] = set()
+            for params, flight in self._pending:
+                held.update(id(p) for p, everywhere in zip(params, flight.result()) if not everywhere)
+            self.held, self._pending = held, []
+        return True
+
+    def hook(self, param: Any, args: tuple, clock: int | None, wait: bool) -> list[Handover]:
+        """Queue until the answer is known (``wait``: wait for it), then hand over what every rank reached."""
+        self.arrived.append(param)
+        if clock is not None:
+            self.clocks.setdefault(id(param), clock)
+        if not self.known(wait):
+            self.queued.append((param, args))
+            return []
+        handovers = self.drain()
+        if id(param) not in self.held:
+            handovers.append((param, args, FIRED))
+        return handovers
+
+    def drain(self) -> list[Handover]:
+        queued, self.queued = self.queued, []
+        return [(p, args, FIRED) for p, args in queued if id(p) not in self.held]
+
+
+class _Walk:
+    """One backward's progress along a ``ReductionOrder``."""
+
+    def __init__(self, order: ReductionOrder, task: int, backend: Backend, clocked: bool) -> None:
+        self.order = order
+        self.task = task
+        self.backend = backend
+        self.clocked = clocked
+        self.next = [0] * len(order.sequences)  # per sequence: the first parameter not yet handed over
+        self.fired: dict[int, tuple] = {}  # parameters whose hook fired, waiting for the ones before them
+        self.reached: list[list[bool] | None] = [None] * len(order.sequences)  # ZeRO-1/2: asked once per backward
+        self.asked: dict[int, bool] = {}  # ZeRO-3: asked one by one, at module boundaries
+
+    def hand_over(self, sequence: int, finish: bool = False, clock: int | None = None,
+                  ask: bool = True) -> list[Handover]:
+        """The parameters of ``sequence`` from its first one not yet handed over, while each is ready: fired, or
+        not reached by this rank's backward (at the epilogue: every one left; ``ask=False``: only fired), and due
+        by ``clock``.
+
+        One reached whose hook has not fired yet stops the walk until it fires. On ZeRO-3 that can be past a
+        module's gathers where the agreed order has it before them: the ranks then still reduce in one order if
+        its gradient moved on every rank alike, and as stock does (each bucket sorted by parameter) if not.
+        """
+        order = self.order
+        params, args_of, k = order.sequences[sequence], order.args[sequence], self.next[sequence]
+        due = order.due[sequence] if clock is not None and order.due is not None else None
+        fired = self.fired
+        handovers = []
+        while k < len(params):
+            if due is not None and due[k] > clock:
+                break
+            param = params[k]
+            args = fired.pop(id(param), None)
+            if args is not None:
+                handovers.append((param, args, FIRED))
+            elif finish or (ask and not self.reaches(sequence, k)):
+                handovers.append((param, args_of[k], UNUSED))
+            else:
+                break
+            k += 1
+        self.next[sequence] = k
+        return handovers
+
+    def reaches(self, sequence: int, k: int) -> bool:
+        """Whether this rank's backward reaches the ``k``-th parameter of ``sequence``, asked at most once per
+        backward (afresh in each: a held accumulator would be reused by the next forward)."""
+        params = self.order.sequences[sequence]
+        if not self.clocked:  # ZeRO-1/2 asks at every hook: once for the rest of the sequence
+            reached = self.reached[sequence]
+            if reached is None:
+                reached = self.reached[sequence] = [True] * k + self.backend.reached(params[k:])
+            return reached[k]
+        key = id(params[k])
+        if key not in self.asked:
+            self.asked[key] = self.backend.reached([params[k]])[0]
+        return self.asked[key]
+
+    def wake_at(self) -> int:
+        """The clock at which a module boundary can hand over the next parameter of the first sequence."""
+        if not self.order.due:
+            return -1
+        due, k = self.order.due[0], self.next[0]
+        return due[k] if k < len(due) else NEVER
+
+
+class Planner:
+    """Agreement, agreed order and walk of one optimizer, with an explicit :class:`Phase`.
+
+    ``clocked``: ZeRO-3, where hooks and module boundaries carry the module clock and the order records it.
+    ``queues``: the bucket reductions are a backward's only collectives (ZeRO-1/2), so hooks may queue while
+    the agreement is in flight; on ZeRO-3, which also gathers during backward, a hook waits for it instead.
+
+    ``wake_at`` and ``wake_task`` tell a module boundary whether it can change anything: a ZeRO-3 coordinator
+    calls :meth:`boundary` only at a clock ``>= wake_at`` or in another autograd task than ``wake_task``.
+    """
+
+    def __init__(self, mode: Mode, backend: Backend, *, clocked: bool = False, queues: bool = False) -> None:
+        self.mode = mode
+        #: Whether the hooks go through :meth:`hook` (several ranks), read per hook.
+        self.routes = mode is not Mode.PASS_THROUGH
+        self.backend = backend
+        self.clocked = clocked
+        self.queues = queues
+        self.phase = Phase.UNAGREED
+        self.order: ReductionOrder | None = None
+        #: A backward ran nested autograd tasks (reentrant checkpointing): the outer graph does not show what it
+        #: reaches, so every backward agrees from then on.
+        self.nested = False
+        self.wake_at = -1
+        self.wake_task = -1
+        self._agreement: _Agreement | None = None
+        self._walk: _Walk | None = None
+        self._fired: set[int] | None = None  # Mode.STRICT: the parameters whose hook fired in this backward
+        self._settling: tuple[_Agreement, dict[int, tuple]] | None = None
+
+    def begin_backward(self) -> None:
+        """A new backward (not a nested one): forget what one that never reached its epilogue left."""
+        self._agreement = self._walk = self._fired = None
+        self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
+
+    # Over the complexity limit on purpose: the walk's hand-over is inlined here, the one call per gradient hook
+    # (issue 26: at most a couple of safe_zero calls per tensor per step); _Walk.hand_over is the same rule, uninlined.
+    def hook(  # noqa: C901
+            self, param: Any, args: tuple, task: int, clock: int | None = None, final: bool = True) -> list[Handover]:
+        """``param``'s gradient hook fired in autograd task ``task`` (at module clock ``clock`` on ZeRO-3):
+        what to hand DeepSpeed now, in order. ``final=False``: one of several hooks of a parameter in one
+        backward (ZeRO-3 tiled compute), of which DeepSpeed buckets only the last.
+
+        Raises ``RankDivergenceError`` where a nested backward begins while an agreed order is walked."""
+        if self.mode is not Mode.AGREED:
+            if self.mode is Mode.STRICT:
+                if self._fired is None:
+                    self._fired = set()
+                self._fired.add(id(param))
+            return [(param, args, FIRED)]
+        phase = self.phase
+        if phase is Phase.UNAGREED or phase is Phase.AGREEING:
+            return self._agreement_of(task).hook(param, args, clock, wait=not self.queues)
+        if not final:
+            return [(param, args, FIRED)]
+        walk = self._walk if self._walk is not None and self._walk.task == task else self._walk_of(task)
+        slot = walk.order.slot.get(id(param))
+        if slot is None:  # made trainable after the order was agreed: nothing to keep in step with
+            return [(param, args, FIRED)]
+        sequence = slot[0]
+        walk.fired[id(param)] = args
+        if self.phase is Phase.HOLDING:
+            return []
+        # ``walk.hand_over(sequence, clock=clock, ask=clock is None)``, inlined: it runs per parameter per step.
+        # On ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
+        # autograd at every hook costs more than the wait. ZeRO-1/2 asks once per backward.
+        order = walk.order
+        params, args_of, k = order.sequences[sequence], order.args[sequence], walk.next[sequence]
+        due = order.due[sequence] if clock is not None and order.due is not None else None
+        fired, reached = walk.fired, walk.reached[sequence]
+        handovers = []
+        while k < len(params):
+            if due is not None and due[k] > clock:
+                break
+            nxt = params[k]
+            nxt_args = fired.pop(id(nxt), None)
+            if nxt_args is not None:
+                handovers.append((nxt, nxt_args, FIRED))
+            elif clock is not None:
+                break
+            else:
+                if reached is None:
+                    reached = walk.reached[sequence] = [True] * k + self.backend.reached(params[k:])
+                if reached[k]:
+                    break
+                handovers.append((nxt, args_of[k], UNUSED))
+            k += 1
+        walk.next[sequence] = k
+        if due is not None and sequence == 0:
+            self.wake_at = due[k] if k < len(due) else NEVER
+        return handovers
+
+    def boundary(self, clock: int, task: int) -> list[Handover]:
+        """ZeRO-3: the backward (task ``task``) enters a module, ``clock`` modules after its forward began, and
+        its gathers follow. Every rank is at the same point here: start this backward's agreement (before its
+        first gather), or hand over every parameter due by ``clock``.
+
+        Raises ``RankDivergenceError`` where a nested backward begins while an agreed order is walked."""
+        if self.phase is Phase.UNAGREED or self.phase is Phase.AGREEING:
+            self._agreement_of(task)
+            return []
+        walk = self._walk_of(task)
+        if self.phase is Phase.HOLDING:
+            return []
+        handovers = walk.hand_over(0, clock=clock)
+        self.wake_at = walk.wake_at()
+        return handovers
+
+    def left_order(self) -> None:
+        """ZeRO-3: every rank left the recorded module order at the same module, so the due clocks no longer hold:
+        the rest of a backward in progress goes at its epilogue, and the next backward agrees again."""
+        self.order = None
+        if self._walk is not None:
+            self._set_phase(Phase.HOLDING)
+        elif self.phase is Phase.ORDERED:
+            self._set_phase(Phase.UNAGREED)
+
+    def unfired(self, expected: Iterable[Any]) -> list[Any]:
+        """``Mode.STRICT``, at the epilogue: the ``expected`` parameters whose hook did not fire in this backward
+        (none where no reducing hook ran at all: accumulation without reduction)."""
+        fired, self._fired = self._fired, None
+        return [] if fired is None else [p for p in expected if id(p) not in fired]
+
+    def finish_backward(self, params_in_order: Iterable[tuple[Any, tuple]]) -> list[Handover]:
+        """The epilogue: what is left to hand over, in order. ``params_in_order``: every parameter with its hook
+        arguments, in parameter order (the order held parameters go in). Then call :meth:`settle_order`."""
+        walk, self._walk = self._walk, None
+        if walk is not None:
+            handovers = []
+            for sequence in range(len(walk.order.sequences)):
+                handovers += walk.hand_over(sequence, finish=True)
+            self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
+            return handovers
+        agreement, self._agreement = self._agreement, None
+        if agreement is None:
+            return []
+        params_in_order = list(params_in_order)
+        agreement.known(wait=True)
+        handovers = agreement.drain()
+        handovers += [(p, args, HELD) for p, args in params_in_order if id(p) in agreement.held]
+        self._settling = (agreement, {id(p): args for p, args in params_in_order})
+        self._set_phase(Phase.UNAGREED)
+        return handovers
+
+    def settle_order(self, walkable: bool) -> None:
+        """After the epilogue's hand-overs: where this backward agreed and its order can be walked (``walkable``;
+        ZeRO-3: the module order is recorded), take rank 0's order, one broadcast per group."""
+        settling, self._settling = self._settling, None
+        if settling is not None and walkable and not self.nested:
+            agreement, args = settling
+            self.order = ReductionOrder.agree(self.backend, agreement.arrived, args,
+                                              agreement.clocks if self.clocked else None)
+            self._set_phase(Phase.ORDERED)
+
+    def _set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        if phase is Phase.HOLDING:
+            self.wake_at = NEVER
+        elif phase is not Phase.WALKING:
+            self.wake_at, self.wake_task = -1, -1
+
+    def _agreement_of(self, task: int) -> _Agreement:
+        """This backward's agreement, started at its first reducing hook or module boundary and ended at its
+        epilogue. With reentrant checkpointing a block's gradients arrive in a nested backward (another task) of
+        the same ``engine.backward``; the agreement spans it, holding them for the epilogue."""
+        agreement = self._agreement
+        if agreement is None:
+            agreement = self._agreement = _Agreement(task, self.backend)
+            self._set_phase(Phase.AGREEING)
+        elif agreement.task != task:
+            self._nested_seen()
+        return agreement
+
+    def _walk_of(self, task: int) -> _Walk:
+        """This backward's walk along the agreed order, begun at its first hook or module boundary.
+
+        Raises ``RankDivergenceError`` in a nested backward: it reaches parameters the outer graph did not show,
+        some of which may already have gone as zeros. Every rank runs the same checkpointed blocks, so every rank
+        stops here, before the update; the next backwards agree again instead of walking."""
+        walk = self._walk
+        if walk is None:
+            walk = self._walk = _Walk(self.order, task, self.backend, self.clocked)
+            self._set_phase(Phase.WALKING)
+            self.wake_at, self.wake_task = walk.wake_at(), task
+        elif walk.task != task:
+            self._nested_seen()
+            raise RankDivergenceError(
+                "a nested backward (reentrant activation checkpointing, use_reentrant=True) began after the first "
+                "step: its gradients may already have been reduced as zeros, so this step's update would be wrong. "
+                "Enable reentrant checkpointing before the first step (safe_zero then reduces such gradients at the "
+                "end of each backward), or use non-reentrant checkpointing (use_reentrant=False, e.g. "
+                'gradient_checkpointing_kwargs={"use_reentrant": False}).')
+        return walk
+
+    def _nested_seen(self) -> None:
+        # From the next backward on, agree again: the outer graph no longer shows what a rank reaches.
+        self.nested, self.order = True, None
+        self.backend.nested_backward()

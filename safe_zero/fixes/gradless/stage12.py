@@ -1,0 +1,88 @@
+"""ZeRO-1/2: the hooks and the epilogue of ``DeepSpeedZeroOptimizer`` through the planner (docs/rank_agreement.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from deepspeed import comm as dist
+
+from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, PlannerAdapter
+from safe_zero.fixes.gradless.collectives import zero_grad_for
+from safe_zero.fixes.gradless.planner import FIRED
+from safe_zero.patching import overrides
+
+
+class ReduceInOneOrderStage12(PlannerAdapter):
+    """Mixin for ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, every reduction route).
+
+    ZeRO-2 (and ZeRO-1 with ``overlap_comm``) reduces in its gradient hooks, so they go through the planner, which
+    may queue them while the first backward's agreement is in flight (the bucket reductions are a backward's only
+    collectives). ZeRO-1 without ``overlap_comm`` reduces in one ordered pass that only needs the zeros.
+    """
+
+    @overrides
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._start_planner(dist.get_world_size(group=self.dp_process_group), clocked=False, queues=True)
+
+    def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for i, group in enumerate(self.bit16_groups):
+            process_group = self.real_dp_process_group[i]
+            by_group.setdefault(id(process_group), (process_group, []))[1].extend(
+                p for p in group if p.requires_grad)
+        return list(by_group.values())
+
+    def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
+        return (p for group in self.bit16_groups for p in group if p.requires_grad)
+
+    def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
+        if self.use_grad_accum_attribute and param.grad is None and getattr(param, "grad_accum", None) is not None:
+            return  # earlier micro-steps left it a gradient
+        zero_grad_for(self, param, param.shape, param.device, why)
+
+    def _at_accumulation_boundary(self) -> bool:
+        boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
+        return bool(boundary() if callable(boundary) else boundary)
+
+    def _reduce(self, param: torch.nn.Parameter, i: int) -> None:
+        super().process_gradients(param, i)
+
+    @overrides
+    def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
+        # Runs per parameter per step: attribute tests, and one planner call where the hooks reduce.
+        planner = self._safe_zero_planner
+        if planner is None:
+            super().process_gradients(param, i)
+            return
+        # The conditions of stock process_gradients / reduce_ready_partitions_and_remove_grads: else the hooks only
+        # accumulate (or DeepSpeed's coalesce_grad_reduction defers them itself). Outside a backward (that flush)
+        # there is no graph to ask, and DeepSpeed calls in parameter order on every rank anyway.
+        if planner.routes and not getattr(self, "_coalesce_grad_reduction", False) \
+                and (self.partition_gradients or self.overlap_comm and self._at_accumulation_boundary()):
+            task = torch._C._current_graph_task_id()
+            if task != -1:
+                for param, args, reason in planner.hook(param, (i,), task):
+                    if param.grad is None:
+                        self._zero_fill(param, WHY[reason])
+                    super().process_gradients(param, *args)
+                return
+        if param.grad is None:
+            self._zero_fill(param, WHY[FIRED])
+        super().process_gradients(param, i)
+
+    @overrides
+    def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
+        # ZeRO-1 without overlap_comm reduces in one ordered pass here, skipping None gradients: fill them.
+        if self._safe_zero_planner is not None and not self.overlap_comm:
+            for group in self.bit16_groups:
+                for param in group:
+                    if param.requires_grad and self.get_gradient_for_reduction(param) is None:
+                        self._zero_fill(param, WHY_NOT_USED)
+        super().reduce_gradients(pipeline_parallel)
+
+    @overrides
+    def independent_gradient_partition_epilogue(self) -> None:
+        self._finish_backward((param, (i,)) for i, group in enumerate(self.bit16_groups) for param in group)
+        super().independent_gradient_partition_epilogue()

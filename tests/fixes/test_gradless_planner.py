@@ -1,0 +1,454 @@
+"""Replays of the rank agreement: two or three planners in one process, each fed one rank's recorded events.
+
+The first backward's hooks must fire in one relative order on the ranks that reach the same parameters (stock
+DeepSpeed needs that too; what they reach may differ): the agreement hands those over as they fire. From the second
+backward on, any order: the ranks walk rank 0's first one.
+
+Each rank runs in a thread with a fake :class:`Backend` whose collectives meet the other ranks' (a rank left in a
+collective the others never make fails the replay, as a hang would). Every replay checks what the real ranks need
+(docs/rank_agreement.md): every rank hands DeepSpeed the same parameters in the same sequence, each once per
+backward, with zeros exactly where its own backward did not reach one, and on ZeRO-3 between the same module
+gathers. The real-rank, DDP-exact tests in ``test_gradless_params_ranks.py`` remain the end-to-end check.
+
+A script is one list of events per backward per rank: a parameter's name (its gradient hook fires), ``"m"`` (the
+backward enters a module: the clock moves, that module's gathers follow), ``"nested"`` (what follows runs in a
+nested autograd task: reentrant checkpointing), ``"leave"`` (every rank left the recorded module order here).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from safe_zero.errors import RankDivergenceError
+from safe_zero.fixes.gradless import planner as planning
+from safe_zero.fixes.gradless.module_order import ModuleClock
+from safe_zero.fixes.gradless.planner import FIRED, HELD, Mode, Phase, Planner
+
+#: The modules a forward enters before its backward begins (ZeRO-3 scripts).
+FORWARD_MODULES = 3
+OUTER, NESTED = 1, 2
+
+
+class Hang(Exception):
+    """A rank waited for a collective the other ranks did not make."""
+
+
+class World:
+    """The ranks' collectives: the k-th collective of every rank meets the k-th of the others."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.posts: dict[int, dict[int, tuple[str, Any]]] = {}
+        self.changed = threading.Condition()
+
+    def post(self, rank: int, k: int, kind: str, value: Any) -> None:
+        with self.changed:
+            self.posts.setdefault(k, {})[rank] = (kind, value)
+            self.changed.notify_all()
+
+    def complete(self, k: int) -> bool:
+        with self.changed:
+            return len(self.posts.get(k, {})) == self.size
+
+    def values(self, k: int) -> list[Any]:
+        with self.changed:
+            if not self.changed.wait_for(lambda: len(self.posts.get(k, {})) == self.size, timeout=2.0):
+                raise Hang(f"collective #{k}: only ranks {sorted(self.posts.get(k, {}))} made it")
+            kinds = {kind for kind, _ in self.posts[k].values()}
+            if len(kinds) > 1:
+                raise Hang(f"collective #{k} mismatched: {self.posts[k]}")
+            return [self.posts[k][r][1] for r in range(self.size)]
+
+
+class Flight:
+    def __init__(self, world: World, k: int, late: bool) -> None:
+        self.world, self.k, self.late = world, k, late
+
+    def done(self) -> bool:
+        return not self.late and self.world.complete(self.k)
+
+    def result(self) -> list[int]:
+        return [min(column) for column in zip(*self.world.values(self.k))]
+
+
+@dataclass
+class Ranks:
+    """One rank's :class:`Backend`: ``reach`` is what its running backward reaches (its hooks' parameters)."""
+
+    world: World
+    rank: int
+    params: list[str]
+    late: bool = False  # this rank's agreement answer lands only when waited for (hooks queue meanwhile)
+    reach: set[str] = field(default_factory=set)
+    collectives: list[str] = field(default_factory=list)
+    nested_warnings: int = 0
+
+    def agreed_groups(self) -> list[tuple[Any, list[str]]]:
+        return [("dp", list(self.params))]
+
+    def ordered_groups(self) -> list[tuple[Any, list[str]]]:
+        return [("dp", list(self.params))]
+
+    def reached(self, params: list[str]) -> list[bool]:
+        return [p in self.reach for p in params]
+
+    def _post(self, kind: str, value: Any) -> int:
+        k = len(self.collectives)
+        self.collectives.append(kind)
+        self.world.post(self.rank, k, f"{kind}/{len(value)}", value)
+        return k
+
+    def all_reduce_min(self, group: Any, flags: list[bool]) -> Flight:
+        return Flight(self.world, self._post("all_reduce", [int(f) for f in flags]), self.late)
+
+    def broadcast_from_first(self, group: Any, rows: list[list[int]]) -> list[list[int]]:
+        return self.world.values(self._post("broadcast", rows))[0]
+
+    def nested_backward(self) -> None:
+        self.nested_warnings += 1
+
+
+@dataclass
+class Replay:
+    """What one rank did: ``handed`` what every rank must do alike (hand-overs and, on ZeRO-3, gathers at their
+    clock), ``events`` the same with its own hooks, ``reasons`` per backward each hand-over's why."""
+
+    handed: list[tuple] = field(default_factory=list)
+    events: list[tuple] = field(default_factory=list)
+    reasons: list[dict[str, int]] = field(default_factory=list)
+    error: BaseException | None = None
+    backend: Ranks | None = None
+    planner: Planner | None = None
+
+
+def _hand(replay: Replay, handovers: list, clock: ModuleClock | None) -> None:
+    for param, _, reason in handovers:
+        at = None if clock is None else clock.position
+        replay.handed.append(("reduce", param, at))
+        replay.events.append(("reduce", param, at))
+        assert param not in replay.reasons[-1], f"{param} handed over twice in one backward"
+        replay.reasons[-1][param] = reason
+
+
+def _run_rank(replay: Replay, planner: Planner, clock: ModuleClock | None, steps: list[list[str]]) -> None:
+    backend = replay.backend
+    named = {p: p for p in backend.params}  # the planner knows a parameter by identity, as torch's by id()
+    if clock is not None:
+        clock.follow(planner, lambda position, task: _hand(replay, planner.boundary(position, task), clock))
+    for events in steps:
+        # The outer graph shows what the outer task reaches, not what a nested one will.
+        outer = events[:events.index("nested")] if "nested" in events else events
+        backend.reach = {e for e in outer if e in backend.params}
+        replay.reasons.append({})
+        if clock is not None:
+            clock.restart()
+            for _ in range(FORWARD_MODULES):
+                clock.enter(-1)
+        planner.begin_backward()
+        task, left = OUTER, False
+        for event in events:
+            if event == "m":
+                position = clock.enter(task)
+                replay.handed.append(("gather", position))
+                replay.events.append(("gather", position))
+            elif event == "nested":
+                task = NESTED
+            elif event == "leave":
+                clock.left_order()
+                left = True
+            else:
+                replay.events.append(("hook", event))
+                _hand(replay, planner.hook(named[event], (), task, None if clock is None else clock.position), clock)
+        _hand(replay, planner.finish_backward([(p, ()) for p in backend.params]), clock)
+        replay.handed.append(("epilogue",))
+        replay.events.append(("epilogue",))
+        planner.settle_order(walkable=not left)
+
+
+def replay(scripts: list[list[list[str]]], params: list[str], zero3: bool = False,
+           late: tuple[int, ...] = ()) -> list[Replay]:
+    """Run ``scripts[rank][step]`` on one ``Mode.AGREED`` planner per rank, in threads; every rank's :class:`Replay`."""
+    world = World(len(scripts))
+    replays = []
+    for rank in range(len(scripts)):
+        backend = Ranks(world, rank, params, late=rank in late)
+        planner = Planner(Mode.AGREED, backend, clocked=zero3, queues=not zero3)
+        replays.append(Replay(backend=backend, planner=planner))
+
+    def run(rank: int) -> None:
+        clock = ModuleClock(lambda: True) if zero3 else None
+        try:
+            _run_rank(replays[rank], replays[rank].planner, clock, scripts[rank])
+        except BaseException as error:  # noqa: BLE001  (reported per rank, as the real rig does)
+            replays[rank].error = error
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(scripts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    return replays
+
+
+def check(replays: list[Replay], scripts: list[list[list[str]]], positions: bool = True) -> None:
+    """Every rank handed over the same sequence (``positions``: between the same gathers), every parameter once per
+    backward, and zeros exactly where its own backward did not reach it."""
+    for r in replays:
+        if r.error is not None:
+            raise r.error
+    def seen(r: Replay) -> list[tuple]:
+        return r.handed if positions else [e[:2] for e in r.handed if e[0] != "gather"]
+
+    first = seen(replays[0])
+    for rank, r in enumerate(replays[1:], 1):
+        assert seen(r) == first, \
+            f"rank {rank} handed over\n{r.handed}\nrank 0\n{replays[0].handed}"
+    for rank, r in enumerate(replays):
+        for step, reasons in enumerate(r.reasons):
+            assert set(reasons) == set(r.backend.params), (rank, step, reasons)
+            hooked = set(scripts[rank][step])
+            for param, reason in reasons.items():  # HELD: its gradient where it has one, else zeros
+                assert reason == HELD or (reason == FIRED) == (param in hooked), \
+                    f"rank {rank} step {step}: {param} handed over as {'its gradient' if reason == FIRED else 'zeros'}"
+
+
+def sequence(r: Replay, step: int) -> list[str]:
+    """The parameters ``r`` handed over in backward ``step``."""
+    backwards, current = [], []
+    for event in r.handed:
+        if event[0] == "epilogue":
+            backwards.append(current)
+            current = []
+        elif event[0] == "reduce":
+            current.append(event[1])
+    return backwards[step]
+
+
+def handed_at_hook(r: Replay, step: int) -> list[str]:
+    """The parameters handed over right at their own hook in backward ``step``."""
+    backwards, current, last = [], [], None
+    for event in r.events:
+        if event[0] == "epilogue":
+            backwards.append(current)
+            current = []
+        elif event[0] == "hook":
+            last = event[1]
+        elif event[0] == "reduce" and event[1] == last:
+            current.append(last)
+    return backwards[step]
+
+
+P4 = ["a", "b", "c", "d"]
+
+
+# -- ZeRO-1/2: hook order only ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("late", [(), (1,), (0, 1)])
+def test_zero12_hooks_in_other_orders_on_each_rank_and_each_step(late):
+    scripts = [[["d", "c", "b", "a"], ["a", "b", "c", "d"], ["b", "d", "a", "c"]],
+               [["d", "c", "b", "a"], ["c", "d", "a", "b"], ["a", "c", "d", "b"]]]
+    replays = replay(scripts, P4, late=late)
+    check(replays, scripts)
+    assert sequence(replays[0], 1) == ["d", "c", "b", "a"], "from the second backward on: rank 0's first hook order"
+    assert [r.backend.collectives for r in replays] == [["all_reduce", "broadcast"]] * 2, "nothing after the first"
+
+
+def test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires():
+    scripts = [[["d", "c", "b", "a"]] * 3] * 2
+    replays = replay(scripts, P4)
+    check(replays, scripts)
+    for r in replays:
+        assert handed_at_hook(r, 1) == handed_at_hook(r, 2) == ["d", "c", "b", "a"]
+
+
+def test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn():
+    scripts = [[["d", "c", "b", "a"]] * 3, [["d", "c", "a"]] * 3]
+    replays = replay(scripts, P4)
+    check(replays, scripts)
+    assert sequence(replays[0], 0) == ["d", "c", "a", "b"], "agreed: what some rank misses waits for the epilogue"
+    assert sequence(replays[1], 1) == ["d", "c", "b", "a"]
+    assert replays[1].events[replays[1].events.index(("hook", "c"), 8):][:3] == [
+        ("hook", "c"), ("reduce", "c", None), ("reduce", "b", None)], "b goes as zeros right after c, not at the end"
+
+
+def test_zero12_experts_that_move_between_three_ranks_every_step():
+    scripts = [[[e for e in "abcd" if e in "abcd"[s % 4] + "abcd"[(s + 1) % 4]] for s in range(4)],
+               [[e for e in "dcba" if e in "abcd"[(s + 2) % 4] + "abcd"[(s + 3) % 4]] for s in range(4)],
+               [[e for e in "abcd" if e in "abcd"[(s + 1) % 4] + "abcd"[(s + 2) % 4]] for s in range(4)]]
+    check(replay(scripts, P4, late=(2,)), scripts)
+
+
+def test_zero12_reentrant_checkpointing_from_the_first_step_agrees_every_backward():
+    scripts = [[["d", "c", "nested", "b", "a"]] * 3] * 2
+    replays = replay(scripts, P4)
+    check(replays, scripts)
+    for r in replays:
+        assert r.planner.nested and r.planner.order is None and r.backend.nested_warnings >= 1
+        assert r.backend.collectives == ["all_reduce"] * 3, "one agreement per backward, no order"
+        assert sequence(r, 2) == ["d", "c", "a", "b"], "the nested backward's parameters wait for the epilogue"
+
+
+def test_zero12_reentrant_checkpointing_begun_late_stops_every_rank():
+    scripts = [[["d", "c", "b", "a"], ["d", "c", "nested", "b", "a"]]] * 2
+    replays = replay(scripts, P4)
+    for r in replays:
+        assert isinstance(r.error, RankDivergenceError) and "use_reentrant=False" in str(r.error)
+
+
+def test_strict_mode_hands_each_hook_over_at_once_and_names_what_did_not_fire():
+    scripts = [[["d", "c", "b", "a"]], [["a", "c"]]]
+    world = World(2)
+    for rank, events in enumerate(scripts[0] + scripts[1]):
+        planner = Planner(Mode.STRICT, Ranks(world, rank, P4))
+        planner.begin_backward()
+        assert [h for e in events for h in planner.hook(e, (), OUTER)] == [(e, (), FIRED) for e in events]
+        assert planner.unfired(P4) == [p for p in P4 if p not in events]
+        assert planner.finish_backward([(p, ()) for p in P4]) == []
+    assert world.posts == {}, "no collective"
+
+
+# -- ZeRO-3: hook order and the module clock -------------------------------------------------------------------
+
+#: Three modules' backward: ``m`` then the hooks of that module's parameters.
+P6 = ["a", "b", "c", "d", "e", "f"]
+
+
+def test_zero3_hooks_in_other_orders_inside_each_module():
+    scripts = [[["m", "f", "e", "m", "d", "c", "m", "b", "a"], ["m", "e", "f", "m", "c", "d", "m", "a", "b"]] * 2,
+               [["m", "f", "e", "m", "d", "c", "m", "b", "a"], ["m", "f", "e", "m", "c", "d", "m", "b", "a"]] * 2]
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts)
+    assert [r.backend.collectives for r in replays] == [["all_reduce", "broadcast"]] * 2
+
+
+def test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather():
+    """``shift``: rank 1 does not reach ``d`` from the second backward on; it goes out as zeros at the boundary of
+    the module after rank 0's hook for it, before that module's gathers, on every rank alike."""
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    scripts = [[dense] * 3, [dense] + [["m", "f", "e", "m", "c", "m", "b", "a"]] * 2]
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts)
+    step2 = replays[1].handed[replays[1].handed.index(("epilogue",)) + 1:]
+    assert step2[:7] == [("gather", 3), ("reduce", "f", 4), ("reduce", "e", 4), ("gather", 4), ("reduce", "d", 5),
+                         ("reduce", "c", 5), ("gather", 5)]
+
+
+def test_zero3_a_parameter_rank_0_did_not_reach_first_goes_at_the_epilogue():
+    """``shift-later``: rank 0 skips ``d`` in the first backward, so the order has it at the epilogue."""
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    scripts = [[["m", "f", "e", "m", "c", "m", "b", "a"], dense, dense], [dense, dense, dense]]
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts)
+    assert sequence(replays[0], 1)[-1] == "d"
+
+
+@pytest.mark.parametrize("ranks_moving", [(0, 1), (1,)])
+def test_zero3_a_gradient_that_moves_past_a_gather(ranks_moving):
+    """In the second backward ``e``'s hook fires after the next module's gathers. Where it moves on every rank
+    alike, every rank waits for it and they hand over between the same gathers; where it moves on rank 1 only,
+    that rank's walk waits for it there (one sequence, later than rank 0's: what stock's sorted buckets allow)."""
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    moved = ["m", "f", "m", "e", "d", "c", "m", "b", "a"]
+    scripts = [[dense, moved if rank in ranks_moving else dense, dense] for rank in range(2)]
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts, positions=len(ranks_moving) == 2)
+    for rank in ranks_moving:
+        step2 = replays[rank].handed[replays[rank].handed.index(("epilogue",)) + 1:]
+        assert step2[:4] == [("gather", 3), ("reduce", "f", 4), ("gather", 4), ("reduce", "e", 5)]
+
+
+@pytest.mark.parametrize("ranks_moving", [(0, 1), (1,)])
+def test_zero3_a_gradient_that_arrives_before_a_gather_where_the_order_has_it_after(ranks_moving):
+    """Rank 0's first backward had ``e``'s hook after the next module's gathers; later ``e`` arrives before them
+    (on every rank, or on rank 1 only). It waits for its due clock: every rank hands it over after those gathers."""
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    moved = ["m", "f", "m", "e", "d", "c", "m", "b", "a"]
+    scripts = [[moved, dense if rank in ranks_moving else moved, dense] for rank in range(2)]
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts)
+    for r in replays:
+        step2 = r.handed[r.handed.index(("epilogue",)) + 1:]
+        assert step2[:4] == [("gather", 3), ("reduce", "f", 4), ("gather", 4), ("reduce", "e", 5)]
+    for rank in ranks_moving:  # e goes as soon as the clock is due: at the next hook, as rank 0's did
+        events = replays[rank].events[replays[rank].events.index(("epilogue",)) + 1:]
+        assert events[events.index(("hook", "d")):][:3] == [("hook", "d"), ("reduce", "e", 5), ("reduce", "d", 5)]
+
+
+def test_zero3_every_rank_leaving_the_module_order_holds_the_rest_and_agrees_again():
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    left = ["m", "f", "e", "leave", "m", "d", "c", "m", "b", "a"]
+    scripts = [[dense, left, dense, dense]] * 2
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts)
+    for r in replays:
+        assert sequence(r, 1) == ["f", "e", "d", "c", "b", "a"]
+        assert r.handed[r.handed.index(("epilogue",)) + 1:][:6] == [
+            ("gather", 3), ("reduce", "f", 4), ("reduce", "e", 4), ("gather", 4), ("gather", 5), ("reduce", "d", 6)]
+        assert r.backend.collectives == ["all_reduce", "broadcast", "all_reduce", "broadcast"], \
+            "the step after leaving agrees again (the trace is recorded again)"
+        assert r.planner.phase is Phase.ORDERED
+
+
+def test_zero3_reentrant_checkpointing_begun_late_stops_every_rank():
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    nested = ["m", "f", "e", "nested", "m", "d", "c", "m", "b", "a"]
+    replays = replay([[dense, nested]] * 2, P6, zero3=True)
+    for r in replays:
+        assert isinstance(r.error, RankDivergenceError) and "nested backward" in str(r.error)
+
+
+def test_zero3_three_ranks_with_parameters_each_rank_uses_on_some_steps():
+    def backward(skip: str) -> list[str]:
+        return [e for e in ["m", "f", "e", "m", "d", "c", "m", "b", "a"] if e != skip]
+
+    scripts = [[backward("z"), backward("d"), backward("b"), backward("z")],
+               [backward("d"), backward("z"), backward("a"), backward("d")],
+               [backward("c"), backward("c"), backward("z"), backward("e")]]
+    check(replay(scripts, P6, zero3=True), scripts)
+
+
+# -- the replays have teeth: a broken planner turns them red --------------------------------------------------
+
+
+def _mutate(monkeypatch: pytest.MonkeyPatch, *edits: tuple[str, str]) -> None:
+    """Replay on ``planner.py`` with ``edits`` (old, new: every occurrence) made to its source."""
+    source = inspect.getsource(planning)
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    mutant = types.ModuleType("mutated_planner")
+    exec(compile(source, "mutated_planner.py", "exec"), mutant.__dict__)
+    for name in ("Planner", "Mode", "Phase"):
+        monkeypatch.setitem(globals(), name, getattr(mutant, name))
+
+
+def test_a_planner_that_ignores_the_due_clock_fails_the_replays(monkeypatch):
+    _mutate(monkeypatch, ("due[k] > clock", "False"))
+    for ranks_moving in [(0, 1), (1,)]:
+        with pytest.raises(AssertionError):
+            test_zero3_a_gradient_that_arrives_before_a_gather_where_the_order_has_it_after(ranks_moving)
+
+
+def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeypatch):
+    _mutate(monkeypatch, ("if reached[k]:", "if True:"),
+            ("elif finish or (ask and not self.reaches(sequence, k)):", "elif finish:"))
+    with pytest.raises(AssertionError):
+        test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
+    with pytest.raises(AssertionError):
+        test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
+
+
+def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_replays(monkeypatch):
+    _mutate(monkeypatch, ("(nxt, args_of[k], UNUSED)", "(nxt, args_of[k], FIRED)"),
+            ("(param, args_of[k], UNUSED)", "(param, args_of[k], FIRED)"))
+    with pytest.raises(AssertionError):
+        test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
+    with pytest.raises(AssertionError):
+        test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
