@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from safe_zero._compat import DEEPSPEED_VERSION
+from safe_zero.fixes import coalesced_gather_wait
 from tests.models import Control, ZeroSized, batches, build, ds_config
 
 EMPTY_SHAPE = (0, 8)
@@ -653,7 +655,9 @@ def test_safe_zero_trains_zero_element_models_as_stock_trains_them_without_those
         for key in ("losses", "evals", "resumed"):
             assert with_.get(key) == without.get(key), (key, with_.get(key), without.get(key))
         assert "losses" in without or "evals" in without
-        if "values" in without:
+        # Stock reads the reference's values through its coalesced all-gather, which on a DeepSpeed with the
+        # coalesced_gather_wait defect (< 0.19.8) may not have landed at 2 ranks: compare them where it has not.
+        if "values" in without and not (world_size > 1 and coalesced_gather_wait.FIX.needed(DEEPSPEED_VERSION)):
             assert with_["values"].keys() == without["values"].keys()
             unequal = [n for n in without["values"] if not torch.equal(with_["values"][n], without["values"][n])]
             assert not unequal, f"{name}: trained values differ from the model without its empty parameters: {unequal}"
