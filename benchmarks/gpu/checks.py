@@ -116,6 +116,17 @@ def _short(text: Optional[str], n: int = 160) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
+def _sides(verdict: Verdict, expected: list[str], stock_lines: list[str], shown: bool, safe_lines: list[str],
+           ok: bool) -> Verdict:
+    """Both halves of a check with several legs, each leg's line joined."""
+    verdict.stock_expected = "; ".join(expected)
+    verdict.stock_observed = " | ".join(stock_lines)
+    verdict.stock_as_expected = shown
+    verdict.safe_zero = " | ".join(safe_lines)
+    verdict.safe_zero_ok = ok
+    return verdict
+
+
 def _finish(verdict: Verdict) -> Verdict:
     if verdict.status not in ("skip", "error"):
         verdict.status = "fail" if verdict.reasons else "pass"
@@ -261,12 +272,7 @@ def _judge_grouped_mm(routes: list, stock_aligned_routes: tuple = ()) -> Callabl
             safe_all &= ok
             verdict.reasons += reasons
             verdict.notes += notes
-        verdict.stock_expected = "; ".join(expected)
-        verdict.stock_observed = " | ".join(stock_lines)
-        verdict.stock_as_expected = shown_all
-        verdict.safe_zero = " | ".join(safe_lines)
-        verdict.safe_zero_ok = safe_all
-        return _finish(verdict)
+        return _finish(_sides(verdict, expected, stock_lines, shown_all, safe_lines, safe_all))
 
     return judge
 
@@ -424,12 +430,7 @@ def _judge_quantizer(models: dict, kernel: bool) -> Callable[[Legs, dict], Verdi
             safe_all &= ok
             verdict.reasons += reasons
             verdict.notes += notes
-        verdict.stock_expected = "; ".join(expected)
-        verdict.stock_observed = " | ".join(stock_lines)
-        verdict.stock_as_expected = shown_all
-        verdict.safe_zero = " | ".join(safe_lines)
-        verdict.safe_zero_ok = safe_all
-        return _finish(verdict)
+        return _finish(_sides(verdict, expected, stock_lines, shown_all, safe_lines, safe_all))
 
     return judge
 
