@@ -74,7 +74,7 @@ def _gradless(model: nn.Module) -> list[str] | None:
 
 def analyse_model(model: nn.Module) -> dict[str, Any]:
     from safe_zero.alignment import grouped_mm_parameters
-    from safe_zero.leaf_modules import moe_blocks
+    from safe_zero.leaf_modules import experts_beside_root, moe_blocks
 
     return {
         "zero_sized": {n: list(p.shape) for n, p in model.named_parameters() if p.numel() == 0},
@@ -82,6 +82,8 @@ def analyse_model(model: nn.Module) -> dict[str, Any]:
         "grouped_mm": {n: {"shape": list(p.shape), "data_ptr_mod_16": p.data_ptr() % 16}
                        for n, p in grouped_mm_parameters(model).items()},
         "zero3_leaf_modules": {n: type(m).__name__ for n, m in moe_blocks(model).items()},
+        "zero3_kept_gathered": {n: sum(p.numel() * p.element_size() for p in m.parameters())
+                                for n, m in experts_beside_root(model).items()},
     }
 
 
@@ -138,6 +140,9 @@ def _print(report: dict[str, Any]) -> None:
               f"{'not checked (no dummy_inputs)' if gradless is None else gradless or 'none'}")
         print(f"  grouped_mm weights: {model['grouped_mm'] or 'none'}")
         print(f"  MoE blocks gathered whole under ZeRO-3 (leaf modules): {model['zero3_leaf_modules'] or 'none'}")
+        kept = ", ".join(f"{n} ({size / 2**20:.3g} MiB per rank)" for n, size in model["zero3_kept_gathered"].items())
+        print(f"  kept gathered on every rank under ZeRO-3: {kept or 'none'}; modules some ranks skip are found in "
+              "the first forward, kept gathered at their full size per rank and named in the initialize report")
 
 
 @contextlib.contextmanager

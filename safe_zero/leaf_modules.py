@@ -17,7 +17,8 @@ MoE layers). Transformers' fused 3-D experts are single parameters and need noth
 
 A module that some ranks skip altogether (an optional vision tower) cannot be a leaf: a rank that
 never enters it never gathers it. ``"optional_modules"`` names those; :func:`optional_modules` finds
-them and ``safe_zero.fixes.gradless_params`` keeps their parameters gathered on every rank. That fix also
+them and ``safe_zero.fixes.gradless_params`` keeps their parameters gathered on every rank, as it does
+:func:`experts_beside_root` and the modules it finds ranks skip in the first forward. That fix also
 decides which blocks to gather whole (``blocks_to_gather_whole``): this module only finds them.
 """
 
@@ -60,6 +61,14 @@ def moe_blocks(model: nn.Module, add: Iterable[str] = (), remove: Iterable[str] 
         if detected and not _matches(module, remove):
             found[name] = module
     return found
+
+
+def experts_beside_root(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's own ``experts`` ``nn.ModuleList``, by name: an MoE layer trained as the whole model, whose
+    router calls other experts on each rank. The root cannot be gathered whole (:func:`moe_blocks`), so these
+    are kept gathered instead, as optional modules."""
+    experts = getattr(model, "experts", None)
+    return {"experts": experts} if isinstance(experts, nn.ModuleList) else {}
 
 
 def optional_modules(model: nn.Module, entries: Iterable[str]) -> dict[str, nn.Module]:

@@ -57,7 +57,11 @@ class SafeZeroOptions:
             (like DeepSpeed's persistent parameters), so a rank that skips them makes the same
             collectives as one that runs them, and their gradients are reduced with zeros from the
             ranks that skipped them. Costs their full size in memory on every rank; optimizer state
-            stays partitioned. ZeRO-1/2 need nothing and ignore it.
+            stays partitioned. ZeRO-1/2 need nothing and ignore it. Unlisted, such a module is found
+            where some ranks skip it while DeepSpeed records its module order (the first forward) and
+            kept gathered from then on, as is an ``experts`` ``nn.ModuleList`` beside the model's root;
+            the initialize report says which and what they cost. ``false`` turns that off: only the
+            modules listed are kept, and ranks that diverge stop with ``RankDivergenceError``.
         find_unused_parameters: DDP's option of the same name, default ``true``: a parameter some rank did not
             use is reduced with a zero gradient from it: one all-reduce and one broadcast in the first backward,
             no collective after it (docs/rank_agreement.md). ``false`` promises
@@ -74,6 +78,9 @@ class SafeZeroOptions:
     alignment_guard: bool = True
     leaf_modules: Mapping[str, list[str]] = field(default_factory=dict)
     optional_modules: tuple[str, ...] = ()
+    #: Whether modules some ranks skip are found and kept gathered without being listed (``"optional_modules":
+    #: false`` turns it off).
+    find_optional_modules: bool = True
     find_unused_parameters: bool = True
     module_order_timeout: float = 300.0
 
@@ -93,16 +100,19 @@ class SafeZeroOptions:
                 isinstance(v, list) and all(isinstance(c, str) for c in v) for v in leaf_modules.values()):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.leaf_modules" must be {{"add": [class names], "remove": '
                                       f'[class names]}}, got {leaf_modules!r}')
-        optional = block.get("optional_modules", []) or []
+        optional = block.get("optional_modules", [])
+        find_optional = optional is not False
+        optional = [] if optional is None or isinstance(optional, bool) else optional
         if not isinstance(optional, list) or not all(isinstance(name, str) for name in optional):
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.optional_modules" must be a list of module names or class '
-                                      f'names, got {optional!r}')
+                                      f'names, or false, got {optional!r}')
         timeout = block.get("module_order_timeout", 300.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise SafeZeroConfigError(f'"{CONFIG_KEY}.module_order_timeout" must be a number of seconds > 0, '
                                       f"got {timeout!r}")
         return cls(fixes=fixes, alignment=alignment, alignment_guard=_flag(block, "alignment_guard"),
                    leaf_modules={k: list(v) for k, v in leaf_modules.items()}, optional_modules=tuple(optional),
+                   find_optional_modules=find_optional,
                    find_unused_parameters=_flag(block, "find_unused_parameters"),
                    module_order_timeout=float(timeout))
 

@@ -71,6 +71,20 @@ def overrides(method: F) -> F:
     return method
 
 
+_CALLS = "__safe_zero_calls__"
+
+M = TypeVar("M", bound=type)
+
+
+def calls(*names: str) -> Callable[[M], M]:
+    """Mark a mixin that calls these methods of the DeepSpeed class it extends without overriding them:
+    :func:`verify_overrides` checks at import that DeepSpeed still has them."""
+    def mark(mixin: M) -> M:
+        setattr(mixin, _CALLS, names)
+        return mixin
+    return mark
+
+
 def is_override(method: Any) -> bool:
     return getattr(method, _OVERRIDES, False)
 
@@ -147,3 +161,11 @@ def verify_overrides(classes: Iterable[type]) -> None:
     for safe in classes:
         for mixin, name, method in marked_overrides(safe):
             check_override(safe, mixin, name, method)
+        stock = stock_class(safe)
+        for mixin in safe.__mro__[:safe.__mro__.index(stock)]:
+            for name in vars(mixin).get(_CALLS, ()):
+                if not callable(getattr(stock, name, None)):
+                    raise DeepSpeedDriftError(
+                        f"{stock.__module__}.{stock.__qualname__}.{name} is gone; safe_zero's {mixin.__qualname__} "
+                        "calls it. This DeepSpeed has drifted from what safe_zero supports; install a supported "
+                        "release.")

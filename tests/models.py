@@ -213,6 +213,28 @@ class ExpertMoE(nn.Module):
         return (self.head(torch.relu(self.moe(x, h) + h)) - y).pow(2).mean()
 
 
+class RootExperts(nn.Module):
+    """An MoE layer trained as the whole model (a router probe, a small custom MoE head): its ``experts``
+    ``nn.ModuleList`` hangs off the root, so there is no block below the root to gather whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, ExpertBlock.EXPERTS, bias=False)
+        self.router.requires_grad_(False)
+        with torch.no_grad():  # routes as ExpertBlock's router does
+            self.router.weight.copy_(torch.eye(ExpertBlock.EXPERTS, 8))
+        self.experts = nn.ModuleList(nn.Linear(8, 1) for _ in range(ExpertBlock.EXPERTS))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(y)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]))
+        return (out - y).pow(2).mean()
+
+
 class CheckpointedMoE(ExpertMoE):
     """:class:`ExpertMoE` with its MoE block under reentrant activation checkpointing: the block's backward
     runs as a nested backward of its own (another autograd graph task) inside the model's."""

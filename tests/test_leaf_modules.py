@@ -4,9 +4,9 @@ import pytest
 from torch import nn
 
 from safe_zero.doctor import analyse_model
-from safe_zero.leaf_modules import moe_blocks, optional_modules
+from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import SafeZeroConfigError, SafeZeroOptions
-from tests.models import Control, ExpertMoE, OptionalTower, build
+from tests.models import Control, ExpertMoE, OptionalTower, RootExperts, build
 
 
 def test_a_block_with_an_experts_module_list_is_detected_and_the_root_never_is():
@@ -31,6 +31,13 @@ def test_the_options_add_and_remove_classes():
 
 def test_the_doctor_lists_the_blocks_of_a_model():
     assert analyse_model(build(ExpertMoE))["zero3_leaf_modules"] == {"moe": "ExpertBlock"}
+
+
+def test_experts_beside_the_root_are_kept_gathered_and_the_doctor_says_what_they_cost():
+    model = build(RootExperts)
+    assert list(experts_beside_root(model)) == ["experts"] and experts_beside_root(build(ExpertMoE)) == {}
+    assert analyse_model(model)["zero3_kept_gathered"] == {"experts": 4 * (8 + 1) * 4}  # 4 experts, fp32
+    assert analyse_model(build(ExpertMoE))["zero3_kept_gathered"] == {}
 
 
 def test_leaf_module_options_are_validated():

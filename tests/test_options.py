@@ -29,6 +29,14 @@ def test_the_rank_options_are_read():
     assert SafeZeroOptions().optional_modules == () and SafeZeroOptions().find_unused_parameters is True
 
 
+@pytest.mark.parametrize("setting, listed, found", [(None, (), True), (["tower"], ("tower",), True), (False, (), False),
+                                                    (True, (), True)])
+def test_modules_some_ranks_skip_are_found_unless_optional_modules_is_false(setting, listed, found):
+    block = {} if setting is None else {"optional_modules": setting}
+    options = SafeZeroOptions.from_config({"safe_zero": block})
+    assert options.optional_modules == listed and options.find_optional_modules is found
+
+
 @pytest.mark.parametrize("block, message", [
     ({"fixs": {}}, r"unknown key\(s\) \['fixs'\]"),
     ({"fixes": {"no_such_fix": True}}, "unknown fix 'no_such_fix'.*known fixes"),

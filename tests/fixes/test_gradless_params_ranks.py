@@ -27,7 +27,7 @@ from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
 from tests.models import (CheckpointedMoE, ExpertMoE, LateCheckpointedMoE, MovingScale, NonReentrantCheckpointedMoE,
-                          OptionalTower, SometimesShifted, build, expert_batch)
+                          OptionalTower, RootExperts, SometimesShifted, build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -43,12 +43,13 @@ ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``shift-later``: rank 0 skips it in the first step. ``moving``: ``body.scale``'s gradient arrives before the
 #: child's gathers in even steps and after them in odd ones, alike on every rank; ``moving-rank1``: on rank 1 only.
 #: ``moe-dense``, ``shift-all``, ``tower-all``: every rank uses every parameter in every step (stock is right there).
+#: ``moe-root``: the experts of ``moe`` hang off the model's root.
 MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
           "moe-checkpointed-late": LateCheckpointedMoE,
           "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower,
           "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
           "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
-          "tower-all": OptionalTower}
+          "tower-all": OptionalTower, "moe-root": RootExperts}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -513,11 +514,31 @@ def test_stock_zero12_fails_on_an_optional_tower(ranks, tmp_path):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_safe_zero3_stops_on_an_optional_tower_naming_the_module_and_the_setting(ranks, world_size):
+    """With ``"optional_modules": false`` the ranks that diverge stop together, where stock hangs or aborts."""
     with pytest.raises(RankFailure) as failure:
-        ranks.run(world_size, _train, model="tower", safe=True, world_size=world_size, stage=3, timeout=60)
+        ranks.run(world_size, _train, model="tower", safe=True, world_size=world_size, stage=3,
+                  options={"optional_modules": False}, timeout=60)
     message = str(failure.value)
     assert "RankDivergenceError" in message and "rank 0 `tower.0`" in message and "rank 1 `head`" in message
     assert '"optional_modules": ["tower"]' in message
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("model", ["tower", "tower-moving", "moe-root"])
+def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(ranks, model, world_size):
+    """``tower``: only even ranks run it; ``tower-moving``: the ranks that run it change every step; ``moe-root``:
+    an experts ``ModuleList`` beside the root. The towers are found in the first forward (the ranks diverge, go on
+    in lockstep and keep what some skipped gathered), the root's experts when the engine is built. (bf16: the
+    ``stage3-found`` and ``stage3-root-experts`` cells below.)"""
+    results = ranks.run(world_size, _train, grads=True, model=model, safe=True, world_size=world_size, stage=3,
+                        timeout=90, **GATHERING)
+    expected = reference(model, world_size)
+    for r in results:
+        assert_ddp_exact(r, expected)
+    found = "some ranks skipped them" if model.startswith("tower") else "experts beside the model's root"
+    kept = [what for what in results[0]["report"]["gradless_params"] if "kept gathered" in what]
+    assert len(kept) == 1 and found in kept[0] and "per rank" in kept[0], kept
+    assert ("optional module(s) tower " if model.startswith("tower") else "optional module(s) experts ") in kept[0]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -751,6 +772,8 @@ BF16_CELLS = {
     "stage3": ("moe", dict(stage=3)),
     "stage3-walk": ("shift", dict(stage=3, **GATHERING)),
     "stage3-optional": ("tower", dict(stage=3, options={"optional_modules": ["tower"]})),
+    "stage3-found": ("tower", dict(stage=3)),
+    "stage3-root-experts": ("moe-root", dict(stage=3)),
 }
 
 

@@ -18,10 +18,11 @@ from torch import nn
 
 from safe_zero.errors import RankDivergenceError
 from safe_zero.fixes.gradless import FIX
+from safe_zero.fixes.gradless.lockstep import END, module_to_gather, skipped_modules
 from safe_zero.fixes.gradless.planner import Planner
-from safe_zero.leaf_modules import moe_blocks, optional_modules
+from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import zero_stage
-from safe_zero.patching import overrides
+from safe_zero.patching import calls, overrides
 from safe_zero.session import Session, session_for
 
 
@@ -89,13 +90,17 @@ def make_leaves(blocks: dict[str, nn.Module], session: Session) -> None:
         session.engaged(FIX, f"{len(blocks)} MoE block(s) gathered whole as ZeRO-3 leaf modules ({', '.join(classes)})")
 
 
+@calls("get_param_coordinator")
 class KeepsOptionalModulesGathered:
-    """Mixin for ``DeepSpeedZeRoOffload``: the ``"optional_modules"`` stay gathered on every rank.
+    """Mixin for ``DeepSpeedZeRoOffload``: modules some ranks skip stay gathered on every rank.
 
     Their parameters join DeepSpeed's persistent parameters, which the optimizer gathers again after
     every step and checkpoint (``stage3.py`` ``_post_step``, ``checkpoint_event_epilogue``); the
     coordinator leaves their modules out of the trace and gathers them at the start of a forward where
-    anything else released them. Also hands the coordinator the module names for its errors.
+    anything else released them. Kept from the start: the ``"optional_modules"`` and an ``experts``
+    ``nn.ModuleList`` beside the model's root (its router makes each rank call other experts, and the root
+    cannot be gathered whole as an MoE block is). Found later: what the coordinator finds ranks skip while
+    DeepSpeed records the module order.
     """
 
     @overrides
@@ -105,23 +110,29 @@ class KeepsOptionalModulesGathered:
         if not session.uses(FIX):
             return
         coordinator = self.get_param_coordinator()
-        ours = isinstance(coordinator, AgreesOnModulesWhileRecording)
-        if ours:
-            coordinator.name_modules({m.ds_id: name or type(module).__name__ for name, m in module.named_modules()
-                                      if hasattr(m, "ds_id")})
-        optional = optional_modules(module, session.options.optional_modules)
-        if not optional:
+        if not isinstance(coordinator, AgreesOnModulesWhileRecording):
             return
-        kept = {id(m) for outer in optional.values() for m in outer.modules()}
-        params = list(dict.fromkeys(p for outer in optional.values() for p in outer.parameters()))
-        persistent = {id(p) for p in self.persistent_parameters}
-        for param in params:
-            param.ds_persist = True
-            if id(param) not in persistent:
-                self.persistent_parameters.append(param)
-        if ours:
-            coordinator.keep_gathered(kept, params)
-        session.engaged(FIX, f"optional module(s) {', '.join(optional)} kept gathered on every rank under ZeRO-3")
+        coordinator.know_model(module, self.persistent_parameters, session.options.find_optional_modules)
+        listed = optional_modules(module, session.options.optional_modules)
+        experts = {name: m for name, m in experts_beside_root(module).items() if not _inside_any(name, listed)}
+        if listed:
+            coordinator.keep_gathered(listed, "listed in optional_modules")
+        if experts:
+            coordinator.keep_gathered(experts, "experts beside the model's root, which each rank routes differently")
+
+
+def _inside_any(name: str, outer: dict[str, nn.Module]) -> bool:
+    return any(name == o or name.startswith(f"{o}.") for o in outer)
+
+
+def _size(params: list[nn.Parameter]) -> str:
+    """What keeping ``params`` gathered costs on every rank (their whole size, not a partition)."""
+    size = float(sum(p.ds_numel * p.element_size() for p in params))
+    for unit in ("bytes", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.4g} {unit}"
+        size /= 1024
+    return f"{size:.4g} GiB"
 
 
 def _skippable_candidates(names: list[str]) -> list[str]:
@@ -161,15 +172,20 @@ def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
             'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')
 
 
+@calls("is_record_trace", "is_complete_trace", "is_invalid_trace", "_invalidate_trace")
 class AgreesOnModulesWhileRecording:
-    """Mixin for ``PartitionedParameterCoordinator``: optional modules out of the trace, and one module order.
+    """Mixin for ``PartitionedParameterCoordinator``: kept modules out of the trace, and one module order.
 
-    - A kept (optional) module is invisible to the trace, the fetch and the release: its parameters are
-      gathered at the start of each forward where they are not (a collective every rank makes there).
+    - A kept module (:meth:`keep_gathered`) is invisible to the trace, the fetch and the release: its
+      parameters are gathered at the start of each forward where they are not (a collective every rank makes
+      there).
     - While DeepSpeed records the trace, the ranks all-gather the id of each module with non-empty parameters
-      before its gather (one 8-byte element per rank per module, in recording forwards only) and raise the same
-      ``RankDivergenceError`` on every rank when they differ. Once the trace is complete, prefetching follows
-      it and nothing is added.
+      before its gather (one 8-byte element per rank per module, in recording forwards only). Where they differ,
+      the ranks go on in lockstep (``lockstep.module_to_gather``): each round they gather one announced module
+      together and the ranks that announced it enter it, until every rank's forward is over; then they compare
+      which modules each entered, keep those some skipped gathered from then on and record the order again
+      (``"optional_modules": false``, or a divergence inside a backward: the same ``RankDivergenceError`` on
+      every rank instead). Once the trace is complete, prefetching follows it and nothing is added.
     - A rank that then leaves the recorded order cannot ask the others with a collective they might not make.
       It posts the module it entered to the process group's store and waits up to ``"module_order_timeout"``
       seconds for every rank to post at the same point: all did, with the same module, and training goes on
@@ -181,6 +197,7 @@ class AgreesOnModulesWhileRecording:
     _safe_zero_names: dict[int, str] = {}
     _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
     _safe_zero_kept_params: list[nn.Parameter] = []
+    _safe_zero_find_skipped = False
     #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
     _safe_zero_built = itertools.count()
 
@@ -193,19 +210,40 @@ class AgreesOnModulesWhileRecording:
         self.module_clock = ModuleClock(lambda: not self.is_invalid_trace())
         self._safe_zero_recorded: list[int] = []  # the module ids of the trace being or last recorded
         self._safe_zero_recording: list[int] = []
-        # DeepSpeed releases per module entry; with nothing kept gathered (until keep_gathered) the override below
-        # has nothing to do, so the release goes to the next class's directly.
+        self._safe_zero_group: Any = None  # the data-parallel group of the last module agreed on
+        self._safe_zero_diverged = False  # this forward's ranks went on in lockstep
+        # DeepSpeed releases per module entry; with nothing kept gathered and no divergence the override below has
+        # nothing to do, so the release goes to the next class's directly.
         self.release_sub_module = super().release_sub_module
 
-    def name_modules(self, names: dict[int, str]) -> None:
-        """The module names (by ``ds_id``) its errors use."""
-        self._safe_zero_names = names
+    def know_model(self, root: nn.Module, persistent: list[nn.Parameter], find_skipped: bool) -> None:
+        """The model's modules (names for errors, ``named_modules`` order for the lockstep), DeepSpeed's list of
+        persistent parameters that kept ones join, and whether to find modules some ranks skip."""
+        named = [(name, m) for name, m in root.named_modules() if hasattr(m, "ds_id")]
+        self._safe_zero_names = {m.ds_id: name or type(root).__name__ for name, m in named}
+        self._safe_zero_modules = {m.ds_id: (name, m) for name, m in named}
+        self._safe_zero_order = {m.ds_id: index for index, (_, m) in enumerate(named)}
+        self._safe_zero_root_id = root.ds_id
+        self._safe_zero_alternatives = {name for name, m in named if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+        self._safe_zero_persistent = persistent
+        self._safe_zero_find_skipped = find_skipped
 
-    def keep_gathered(self, modules: set[int], params: list[nn.Parameter]) -> None:
-        """Leave ``modules`` (by ``id``) out of the trace, fetch and release, and gather ``params`` again at the
-        start of a forward where something released them."""
-        self._safe_zero_kept_modules, self._safe_zero_kept_params = modules, params
+    def keep_gathered(self, modules: dict[str, nn.Module], why: str, gather_now: bool = False) -> None:
+        """Leave ``modules`` (by name) out of the trace, fetch and release, and keep their parameters gathered:
+        from the next forward on, or at once (``gather_now``, on every rank alike)."""
+        params = list(dict.fromkeys(p for outer in modules.values() for p in outer.parameters()))
+        for param in params:
+            if not param.ds_persist:
+                param.ds_persist = True
+                self._safe_zero_persistent.append(param)
+        self._safe_zero_kept_modules = {*self._safe_zero_kept_modules,
+                                        *(id(m) for outer in modules.values() for m in outer.modules())}
+        self._safe_zero_kept_params = list(dict.fromkeys([*self._safe_zero_kept_params, *params]))
         self.__dict__.pop("release_sub_module", None)  # back to the override below
+        if gather_now:
+            self._gather_alike(params, entering=True)
+        session_for(self).engaged(FIX, f"optional module(s) {', '.join(modules)} kept gathered on every rank under "
+                                       f"ZeRO-3 ({why}; {_size(params)} per rank)")
 
     @overrides
     def reset_step(self) -> None:
@@ -261,22 +299,87 @@ class AgreesOnModulesWhileRecording:
             # Modules whose parameters are all zero-element gather nothing: no agreement either.
             params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
             if params:
-                self._agree_on_module(current_submodule, params[0].ds_process_group)
+                self._safe_zero_group = params[0].ds_process_group
+                self._agree_on_module(current_submodule.ds_id)
         super().fetch_sub_module(current_submodule, forward)
 
     @overrides
     def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
-        if id(submodule) not in self._safe_zero_kept_modules:
-            super().release_sub_module(submodule, forward)
-
-    def _agree_on_module(self, module: nn.Module, group: Any) -> None:
-        world = dist.get_world_size(group=group)
-        if world < 2:
+        if id(submodule) in self._safe_zero_kept_modules:
             return
-        device = get_accelerator().current_device_name()
-        mine = torch.tensor([module.ds_id], dtype=torch.int64, device=device)
-        everyone = [torch.empty_like(mine) for _ in range(world)]
+        super().release_sub_module(submodule, forward)
+        if forward and self._safe_zero_diverged and submodule.ds_id == self._safe_zero_root_id:
+            self._settle_divergence()
+
+    def _all_ints(self, value: int) -> list[int]:
+        """Every rank's ``value``, in rank order (a collective)."""
+        group = self._safe_zero_group
+        mine = torch.tensor([value], dtype=torch.int64, device=get_accelerator().current_device_name())
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
         dist.all_gather(everyone, mine, group=group)
-        ids = [int(t.item()) for t in everyone]
-        if len(set(ids)) > 1:
-            raise RankDivergenceError(_divergence_message(self._safe_zero_names, ids))
+        return [int(t.item()) for t in everyone]
+
+    def _agree_on_module(self, module_id: int) -> None:
+        """Before this rank gathers module ``module_id`` (``END``: after its forward), in a recording forward."""
+        if dist.get_world_size(group=self._safe_zero_group) < 2:
+            return
+        while (chosen := module_to_gather(announced := self._all_ints(module_id), self._safe_zero_order)) is not None:
+            # A backward's gathers follow autograd, not this rule: a divergence there (a recomputed forward) stops.
+            if not self._safe_zero_find_skipped or torch._C._current_graph_task_id() != -1:
+                raise RankDivergenceError(_divergence_message(self._safe_zero_names, announced))
+            self._safe_zero_diverged = True
+            self.__dict__.pop("release_sub_module", None)  # the root's release settles the divergence
+            _, module = self._safe_zero_modules[chosen]
+            self._gather_alike([p for p in _module_params(module) if p.ds_numel > 0], entering=chosen == module_id)
+            if chosen == module_id:
+                return
+
+    def _gather_alike(self, params: list[nn.Parameter], entering: bool) -> None:
+        """Gather what of ``params`` is partitioned, on every rank together; a rank not ``entering`` their module
+        partitions them again at once, so outside the modules a rank is running every rank holds the same."""
+        # Held by some ranks only (a persistent parameter released where its module ran while DeepSpeed records):
+        # partitioned first, so every rank gathers the same list.
+        idle = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules]
+        if idle:
+            idle[0].partition(param_list=idle)
+        params = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        counts = self._all_ints(len(params))
+        if len(set(counts)) > 1:  # a parameter shared with a module some rank is running: not gathered alike
+            raise RankDivergenceError(f"under ZeRO-3 the ranks hold different parts of {len(params)} parameters "
+                                      f"gathered ({counts} per rank) where their forwards diverged; list the "
+                                      'modules some ranks skip in "safe_zero": {"optional_modules": [...]}')
+        if params:
+            params[0].all_gather(param_list=params)
+            if not entering:
+                params[0].partition(param_list=params)
+
+    def _settle_divergence(self) -> None:
+        """This rank's forward is over after a divergence: serve the others' gathers until every forward is over,
+        then keep what some ranks skipped gathered and record the order again (on every rank alike)."""
+        self._agree_on_module(END)
+        self._safe_zero_diverged = False
+        if not self._safe_zero_kept_params:
+            self.release_sub_module = super().release_sub_module
+        entered = self._entered_by_rank()
+        skipped = skipped_modules(entered, self._safe_zero_alternatives)
+        modules = {name: self._modules_by_name[name] for name in skipped}
+        if modules:
+            self.keep_gathered(modules, "found: some ranks skipped them in a forward", gather_now=True)
+        if not self.is_invalid_trace():
+            self._invalidate_trace()  # this forward's order differs between the ranks: record it again
+
+    def _entered_by_rank(self) -> list[set[str]]:
+        """Per rank, the names of the modules this recording forward entered (a collective of one byte per
+        module)."""
+        order, group = self._safe_zero_order, self._safe_zero_group
+        device = get_accelerator().current_device_name()
+        mine = torch.zeros(len(order), dtype=torch.uint8, device=device)
+        mine[[order[i] for i in set(self._safe_zero_recording)]] = 1
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
+        dist.all_gather(everyone, mine, group=group)
+        names = [name for name, _ in self._safe_zero_modules.values()]
+        return [{names[i] for i in flags.nonzero().flatten().tolist()} for flags in everyone]
+
+    @property
+    def _modules_by_name(self) -> dict[str, nn.Module]:
+        return {name: m for name, m in self._safe_zero_modules.values()}

@@ -1,0 +1,52 @@
+"""The ranks' module entries while DeepSpeed records its ZeRO-3 module order, kept in lockstep where they diverge,
+and the modules some ranks skipped found from them (docs/rank_agreement.md, "Modules some ranks skip").
+
+Pure logic, no torch: ``module_order.AgreesOnModulesWhileRecording`` feeds it what the ranks announced and carries
+out what it returns, and the tests replay per-rank module sequences through it in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+#: What a rank announces once its forward is over, while another rank still has modules to enter.
+END = -1
+
+
+def module_to_gather(announced: Sequence[int], order: Mapping[int, int]) -> int | None:
+    """One round: every rank announced the module it is about to gather (``END``: its forward is over).
+
+    ``None`` where all announced the same: each goes on with its own gather, as DeepSpeed does. Otherwise every
+    rank gathers the returned module's parameters together, the ranks that announced it enter it, and the others
+    announce theirs again. The module first in ``order`` (the model's ``named_modules`` order, which is usually
+    its forward order: a tower before the model it feeds) goes first, and ``END`` last, so every round lets at
+    least one rank on and the rounds end once every rank announced ``END``.
+    """
+    if len(set(announced)) == 1:
+        return None
+    return min(announced, key=lambda module: (module == END, order.get(module, len(order))))
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def skipped_modules(entered: Sequence[Iterable[str]], alternatives: Iterable[str] = ()) -> list[str]:
+    """The outermost modules (qualified names) that some ranks entered in a forward and others did not.
+
+    ``entered``: per rank, the modules its forward entered (hooks fired). A member of one of the
+    ``alternatives`` (an ``nn.ModuleList``/``ModuleDict`` of experts, which the forward indexes but never calls)
+    stands for the whole container: another member may be skipped by other ranks next time.
+    """
+    sets = [set(names) for names in entered]
+    every, some = set.intersection(*sets), set.union(*sets)
+    partial, alternatives = some - every, set(alternatives)
+    found: set[str] = set()
+    for name in partial:
+        while name and _parent(name) in partial:
+            name = _parent(name)
+        found.add(_parent(name) if name and _parent(name) in alternatives else name)
+    return sorted(n for n in found if not any(n.startswith(f"{outer}.") for outer in found))
+
+
+__all__ = ["END", "module_to_gather", "skipped_modules"]
