@@ -185,3 +185,34 @@ def test_moe_experts_hf_trainer_two_processes(tmp_path: Path) -> None:
         assert stage == 3 and len(losses) == STEPS and losses[-1] < losses[0], losses
         assert "gradless_params" in engaged
     assert "gradless_params: 2 MoE block(s) gathered whole as ZeRO-3 leaf modules (TinyMoE)" in output
+
+
+# ---------------------------------------------------------------------------------------------- VLM tower
+
+def test_vlm_tower_hf_trainer_two_processes(tmp_path: Path) -> None:
+    """A tiny LLaVA on mixed image and text-only samples trains at ZeRO-3 through the HF Trainer on 2 processes with
+    no safe_zero configuration: each step one rank skips the vision tower and the projector, which safe_zero finds
+    in the first step and keeps gathered (stock stops on such a tower: tests/fixes/test_gradless_params_ranks.py)."""
+    for module in ("transformers", "accelerate"):
+        pytest.importorskip(module)
+    output = run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
+                 "--num_processes", "2", "examples/vlm_tower/train_hf_trainer.py", "--steps", str(STEPS),
+                 "--output-dir", str(tmp_path))
+    for rank in (0, 1):
+        stage, losses, engaged = result_line(output, f"vlm_tower rank {rank}/2")
+        assert stage == 3 and len(losses) == STEPS and losses[-1] < losses[0], losses
+        assert "gradless_params" in engaged
+    assert ("optional module(s) model.multi_modal_projector, model.vision_tower kept gathered on every rank under "
+            "ZeRO-3 (found: some ranks skipped them in a forward;") in output
+
+
+def test_vlm_tower_stock_fails(tmp_path: Path) -> None:
+    """The same run on stock DeepSpeed: the rank with the image gathers the tower, the other the language model's
+    next layer, and gloo stops on the size mismatch."""
+    for module in ("transformers", "accelerate"):
+        pytest.importorskip(module)
+    output = run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
+                 "--num_processes", "2", "examples/vlm_tower/train_hf_trainer.py", "--steps", str(STEPS),
+                 "--output-dir", str(tmp_path), "--stock", fails=True, timeout=240)
+    assert "Is there a distributed collective mismatch" in output, output[-4000:]
+    assert "safe_zero engaged" not in output

@@ -198,6 +198,9 @@ class AgreesOnModulesWhileRecording:
     _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
     _safe_zero_kept_params: list[nn.Parameter] = []
     _safe_zero_find_skipped = False
+    #: In a lockstep: the module this rank entered gathered whole, and the ``ds_id`` of every module inside it.
+    _safe_zero_entered_whole: nn.Module | None = None
+    _safe_zero_inside: frozenset[int] | set[int] = frozenset()
     #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
     _safe_zero_built = itertools.count()
 
@@ -308,6 +311,14 @@ class AgreesOnModulesWhileRecording:
         if id(submodule) in self._safe_zero_kept_modules:
             return
         super().release_sub_module(submodule, forward)
+        if forward and submodule is self._safe_zero_entered_whole:
+            # Out of the module gathered whole: what its children's releases left gathered goes too, so every
+            # rank holds the same again.
+            self._safe_zero_entered_whole, self._safe_zero_inside = None, frozenset()
+            idle = [p for p in submodule.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE
+                    and not p.ds_active_sub_modules and not p.ds_persist]
+            if idle:
+                idle[0].partition(param_list=idle)
         if forward and self._safe_zero_diverged and submodule.ds_id == self._safe_zero_root_id:
             self._settle_divergence()
 
@@ -321,7 +332,7 @@ class AgreesOnModulesWhileRecording:
 
     def _agree_on_module(self, module_id: int) -> None:
         """Before this rank gathers module ``module_id`` (``END``: after its forward), in a recording forward."""
-        if dist.get_world_size(group=self._safe_zero_group) < 2:
+        if dist.get_world_size(group=self._safe_zero_group) < 2 or module_id in self._safe_zero_inside:
             return
         while (chosen := module_to_gather(announced := self._all_ints(module_id), self._safe_zero_order)) is not None:
             # A backward's gathers follow autograd, not this rule: a divergence there (a recomputed forward) stops.
@@ -329,9 +340,14 @@ class AgreesOnModulesWhileRecording:
                 raise RankDivergenceError(_divergence_message(self._safe_zero_names, announced))
             self._safe_zero_diverged = True
             self.__dict__.pop("release_sub_module", None)  # the root's release settles the divergence
+            # The whole module, its children included: a forward may read a child's weight before calling it
+            # (DeepSpeed then gathers it on this rank alone), and the ranks entering it gather nothing more inside.
             _, module = self._safe_zero_modules[chosen]
-            self._gather_alike([p for p in _module_params(module) if p.ds_numel > 0], entering=chosen == module_id)
+            params = [p for p in module.parameters() if p.ds_numel > 0]
+            self._gather_alike(params, entering=chosen == module_id)
             if chosen == module_id:
+                self._safe_zero_entered_whole = module
+                self._safe_zero_inside = {m.ds_id for m in module.modules() if hasattr(m, "ds_id")}
                 return
 
     def _gather_alike(self, params: list[nn.Parameter], entering: bool) -> None:
