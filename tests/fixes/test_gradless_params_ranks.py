@@ -44,7 +44,8 @@ ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: child's gathers in even steps and after them in odd ones, alike on every rank; ``moving-rank1``: on rank 1 only.
 #: ``moe-dense``, ``shift-all``, ``tower-all``: every rank uses every parameter in every step (stock is right there).
 #: ``moe-root``: the experts of ``moe`` hang off the model's root.
-MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "moe-checkpointed": CheckpointedMoE, "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
+MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "moe-checkpointed": CheckpointedMoE,
+          "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
           "moe-checkpointed-late": LateCheckpointedMoE,
           "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower,
           "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
@@ -472,10 +473,17 @@ def test_stock_zero3_stops_on_rank_dependent_experts(ranks, tmp_path):
     assert_collective_mismatch(error, logs, expected="Detected a disagreement on list contents")
 
 
+#: ZeRO-3 variants of the rank-dependent cells (ids kept from the former ``persistence`` parameter): DeepSpeed's
+#: default persistence, none, and every parameter offloaded to the CPU with its optimizer (``offload_param`` gathers
+#: from the CPU copies and reduces into the offloaded fp32 partitions).
+ZERO3_VARIANTS = {"0": {"stage3_param_persistence_threshold": 0}, "None": {},
+                  "offload_param": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("persistence", [0, None])
-def test_safe_zero3_gathers_moe_blocks_whole_and_is_ddp_exact(ranks, world_size, persistence):
-    zero = {} if persistence is None else {"stage3_param_persistence_threshold": persistence}
+@pytest.mark.parametrize("variant", list(ZERO3_VARIANTS))
+def test_safe_zero3_gathers_moe_blocks_whole_and_is_ddp_exact(ranks, world_size, variant):
+    zero = ZERO3_VARIANTS[variant]
     results = ranks.run(world_size, _train, grads=True, model="moe", safe=True, world_size=world_size, stage=3, **zero)
     expected = reference("moe", world_size)
     for r in results:
@@ -542,9 +550,9 @@ def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("persistence", [0, None])
-def test_safe_zero3_is_ddp_exact_on_an_optional_tower_listed_in_optional_modules(ranks, world_size, persistence):
-    zero = {} if persistence is None else {"stage3_param_persistence_threshold": persistence}
+@pytest.mark.parametrize("variant", list(ZERO3_VARIANTS))
+def test_safe_zero3_is_ddp_exact_on_an_optional_tower_listed_in_optional_modules(ranks, world_size, variant):
+    zero = ZERO3_VARIANTS[variant]
     results = ranks.run(world_size, _train, grads=True, model="tower", safe=True, world_size=world_size, stage=3,
                         options={"optional_modules": ["tower"]}, **zero)
     expected = reference("tower", world_size)
@@ -574,15 +582,17 @@ def test_safe_zero3_is_ddp_exact_when_a_module_every_rank_runs_uses_a_parameter_
         assert_ddp_exact(r, expected)
 
 
-@pytest.mark.parametrize("route", ["accumulation", "offload"])
-def test_safe_zero3_walk_is_ddp_exact_with_gradient_accumulation_and_cpu_offload(ranks, route):
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("route", ["accumulation", "offload", "offload_param"])
+def test_safe_zero3_walk_is_ddp_exact_with_gradient_accumulation_and_cpu_offload(ranks, route, world_size):
     """Every micro-step's backward reduces on ZeRO-3, so each one walks; with the optimizer on the CPU the
-    reductions feed the offloaded partitions."""
+    reductions feed the offloaded partitions, and with ``offload_param`` the gathers read the CPU copies."""
     accumulation = 2 if route == "accumulation" else 1
-    zero = dict(offload_optimizer={"device": "cpu"}) if route == "offload" else {}
-    results = ranks.run(2, _train, grads=True, model="shift", safe=True, world_size=2, stage=3,
+    zero = {"offload": dict(offload_optimizer={"device": "cpu"}),
+            "offload_param": ZERO3_VARIANTS["offload_param"]}.get(route, {})
+    results = ranks.run(world_size, _train, grads=True, model="shift", safe=True, world_size=world_size, stage=3,
                         accumulation=accumulation, timeout=90, **GATHERING, **zero)
-    expected = reference("shift", 2, accumulation=accumulation)
+    expected = reference("shift", world_size, accumulation=accumulation)
     for r in results:
         assert_ddp_exact(r, expected)
 
@@ -662,15 +672,16 @@ def test_zero3_a_rank_that_skips_a_module_after_the_first_step_stops_instead_of_
                   options={"module_order_timeout": 3}, timeout=15)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("route", ["stage1-overlap", "stage2", "stage2-overlap", "stage3"])
-def test_activation_checkpointing_is_ddp_exact(ranks, route, reentrant):
+def test_activation_checkpointing_is_ddp_exact(ranks, route, reentrant, world_size):
     """Reentrant: the checkpointed block's gradients arrive in a nested backward (another graph task) of the same
     step, and wait for the epilogue (with a warning). Non-reentrant: one graph task, nothing changes."""
     kwargs = dict(stage=3) if route == "stage3" else ZERO12_ROUTES[route]
     model = "moe-checkpointed" if reentrant else "moe-checkpointed-nonreentrant"
-    results = ranks.run(2, _train, grads=True, model=model, safe=True, world_size=2, **kwargs)
-    expected = reference(model, 2)
+    results = ranks.run(world_size, _train, grads=True, model=model, safe=True, world_size=world_size, **kwargs)
+    expected = reference(model, world_size)
     for r in results:
         assert_ddp_exact(r, expected)
         assert bool(r["warned"]) == reentrant, r["warned"]
@@ -684,25 +695,29 @@ def test_reentrant_checkpointing_turned_on_after_the_first_step_stops_with_what_
         ranks.run(2, _train, model="moe-checkpointed-late", safe=True, world_size=2, stage=stage)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_find_unused_parameters_false_trains_a_model_every_rank_uses_without_the_agreement(ranks, stage):
-    results = ranks.run(2, _train, grads=True, model="moe-dense", safe=True, world_size=2, stage=stage,
-                        options={"find_unused_parameters": False})
-    expected = reference("moe-dense", 2)
+def test_find_unused_parameters_false_trains_a_model_every_rank_uses_without_the_agreement(ranks, stage, world_size):
+    results = ranks.run(world_size, _train, grads=True, model="moe-dense", safe=True, world_size=world_size,
+                        stage=stage, options={"find_unused_parameters": False})
+    expected = reference("moe-dense", world_size)
     for r in results:
         assert_ddp_exact(r, expected)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_find_unused_parameters_false_refuses_a_parameter_some_rank_did_not_use(ranks, stage):
+@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 2), (2, 3), (3, 1), (3, 2)])
+def test_find_unused_parameters_false_refuses_a_parameter_some_rank_did_not_use(ranks, stage, world_size):
     # ZeRO-3 gathers MoE blocks whole (leaf modules, zero-filled by DeepSpeed): its case is the listed tower.
     model, options = ("tower", {"optional_modules": ["tower"]}) if stage == 3 else ("moe", {})
     zero = {"overlap_comm": True} if stage == 1 else {}
     # The check is local (no collective): the rank that missed the parameter raises; at ZeRO-3 the other one
-    # waits in its next gather until the pool gives up (a launcher ends the job when a rank exits).
-    with pytest.raises((RankFailure, TimeoutError), match="UnusedParameterError.*find_unused_parameters"):
-        ranks.run(2, _train, model=model, safe=True, world_size=2, stage=stage,
+    # waits in its next gather until the pool gives up (a launcher ends the job when a rank exits), which is why
+    # world size 3 (every rank misses two experts, so every rank raises at once) runs ZeRO-1/2 only.
+    with pytest.raises((RankFailure, TimeoutError), match="UnusedParameterError.*find_unused_parameters") as failure:
+        ranks.run(world_size, _train, model=model, safe=True, world_size=world_size, stage=stage,
                   options={"find_unused_parameters": False, **options}, timeout=20, **zero)
+    if stage < 3:  # every rank misses some expert of ExpertMoE's routes: every rank refuses
+        assert isinstance(failure.value, RankFailure) and len(failure.value.errors) == world_size, failure.value
 
 
 #: Rank-dependent routes with SGD (one model each): ``stage3`` reduces the MoE as a leaf module, ``stage3-walk``
@@ -805,7 +820,8 @@ def test_stock_bf16_rank_dependent_experts_leave_the_bf16_band(ranks, world_size
 
 
 def _optional_tower_round_trip(directory: str) -> dict:
-    """2 steps, save, ``empty_partition_cache``, a 3rd step; a fresh engine loads the checkpoint and takes the same 3rd step."""
+    """2 steps, save, ``empty_partition_cache``, a 3rd step; a fresh engine loads the checkpoint and takes the same
+    3rd step."""
     import deepspeed
     import torch.distributed as dist
 
@@ -858,7 +874,8 @@ def test_optional_modules_survive_a_checkpoint_round_trip_and_an_emptied_cache(r
 CHUNKS = 2
 
 
-def _train_coalesced(model: str, stage: int, safe: bool = True, options: dict | None = None, **zero) -> dict:
+def _train_coalesced(model: str, stage: int, safe: bool = True, options: dict | None = None, world_size: int = 2,
+                     **zero) -> dict:
     """``_train``'s steps inside DeepSpeed's ``coalesce_grad_reduction``: ``CHUNKS`` backwards per block (each
     loss divided by ``CHUNKS``, so a step is the reference's accumulated step), one flush at the block's exit that
     calls the reduce hooks outside any graph task, then one optimizer step."""
@@ -871,12 +888,12 @@ def _train_coalesced(model: str, stage: int, safe: bool = True, options: dict | 
     net = build(MODELS[model])
     init = safe_zero.initialize if safe else deepspeed.initialize
     engine, *_ = init(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                      config=config(stage, 2, safe_zero=options, **zero))
+                      config=config(stage, world_size, safe_zero=options, **zero))
     losses = []
     for step in range(STEPS):
         with engine.coalesce_grad_reduction():
             for chunk in range(CHUNKS):
-                loss = engine(*micro_batch(model, rank, 2, step * CHUNKS + chunk))
+                loss = engine(*micro_batch(model, rank, world_size, step * CHUNKS + chunk))
                 engine.set_gradient_accumulation_boundary(chunk == CHUNKS - 1)
                 engine.backward(loss / CHUNKS)
                 losses.append(loss.item())
@@ -891,12 +908,13 @@ needs_coalesce = pytest.mark.skipif(not hasattr(__import__("deepspeed").DeepSpee
 
 
 @needs_coalesce
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_coalesced_grad_reduction_flush_is_ddp_exact(ranks, stage):
+def test_coalesced_grad_reduction_flush_is_ddp_exact(ranks, stage, world_size):
     # Before the fix the ZeRO-3 flush asked autograd for reachability outside a backward and raised
     # "_get_should_execute_nodes should only be called during the backward pass" (DeepSpeed's own coalesce tests).
-    results = ranks.run(2, _train_coalesced, model="moe-dense", stage=stage)
-    expected = reference("moe-dense", 2, accumulation=CHUNKS)
+    results = ranks.run(world_size, _train_coalesced, model="moe-dense", stage=stage, world_size=world_size)
+    expected = reference("moe-dense", world_size, accumulation=CHUNKS)
     for r in results:
         assert max_error(r, expected) < TOLERANCE
 
@@ -912,13 +930,14 @@ def test_stock_coalesced_flush_trains_rank_dependent_experts_silently_wrong(rank
 
 
 @needs_coalesce
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("model,route", [("moe", "stage1"), ("moe", "stage1-overlap"), ("moe", "stage2"),
                                          ("moe", "stage2-overlap"), ("tower", "stage2"), ("moe", "stage3"),
                                          ("tower", "stage3")])
-def test_safe_coalesced_flush_is_ddp_exact_on_rank_dependent_parameters(ranks, model, route):
+def test_safe_coalesced_flush_is_ddp_exact_on_rank_dependent_parameters(ranks, model, route, world_size):
     zero = ZERO12_ROUTES[route] if route != "stage3" else {"stage": 3}
     options = {"optional_modules": ["tower"]} if model == "tower" and route == "stage3" else None
-    results = ranks.run(2, _train_coalesced, model=model, options=options, **zero)
-    expected = reference(model, 2, accumulation=CHUNKS)
+    results = ranks.run(world_size, _train_coalesced, model=model, options=options, world_size=world_size, **zero)
+    expected = reference(model, world_size, accumulation=CHUNKS)
     for r in results:
         assert max_error(r, expected) < TOLERANCE
