@@ -80,6 +80,18 @@ def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
     return x, y, image
 
 
+def dealt_rows(model: str, world_size: int, steps: int = STEPS, by: str = "batch") -> list[tuple]:
+    """Every rank's ``micro_batch`` of every step as one dataset of ``(x, y)`` rows, laid out so that a
+    data-parallel loader over it (no shuffling, 2 rows a batch) hands each rank its own: ``by="batch"`` for a loader
+    that deals whole batches round-robin (Accelerate's ``BatchSamplerShard``), ``by="sample"`` for one that deals
+    rows (``DistributedSampler``, as Lightning injects it). What the integrations' rank-dependent tests train on."""
+    batches = {(r, s): micro_batch(model, r, world_size, s) for r in range(world_size) for s in range(steps)}
+    rows = len(batches[0, 0][0])
+    order = ([(r, s, i) for s in range(steps) for r in range(world_size) for i in range(rows)] if by == "batch" else
+             [(r, s, i) for s in range(steps) for i in range(rows) for r in range(world_size)])
+    return [(batches[r, s][0][i], batches[r, s][1][i]) for r, s, i in order]
+
+
 def config(stage: int, world_size: int, accumulation: int = 1, safe_zero: dict | None = None, *,
            dtype: str = "fp32", optimizer: str = "adamw", **zero) -> dict:
     """``optimizer="sgd"``: the engine gets a client ``torch.optim.SGD`` (see ``_train``) and no clipping, so an

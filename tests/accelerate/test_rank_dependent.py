@@ -1,0 +1,75 @@
+"""Accelerate at world size 2 with each rank on its own batches: an MoE whose ranks use different experts trains as
+one process trains on the global batch (``tests/fixes/test_gradless_params_ranks.py``'s reference).
+
+The ranks of the rank pool are the processes an ``accelerate launch`` would start (``LOCAL_RANK`` set, gloo): the
+``Accelerator`` gets a ``SafeDeepSpeedPlugin``, prepares the model, a client AdamW and a loader over
+``dealt_rows``, and its sharded loader hands rank 0 tokens for experts 0-1 and rank 1 tokens for experts 2-3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from tests.fixes.test_gradless_params_ranks import (LR, MODELS, STEPS, TOLERANCE, config, dealt_rows,  # noqa: E402
+                                                    max_error, micro_batch, reference)
+from tests.models import build  # noqa: E402
+
+
+def rank_dependent_config(world_size: int) -> dict:
+    """``config``'s ZeRO-2 fp32 run (clipping at 1.0) with the optimizer left to the client: a ``torch.optim.AdamW``
+    as the reference's, which DeepSpeed takes as an untested ZeRO optimizer."""
+    ds = config(2, world_size)
+    del ds["optimizer"]
+    return {**ds, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+
+
+def _accelerate_trains_rank_dependent_experts() -> dict:
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from safe_zero.accelerate import SafeDeepSpeedPlugin, uninstall_on_request
+
+    world = dist.get_world_size()
+    environ = dict(os.environ)
+    try:
+        accelerator = Accelerator(deepspeed_plugin=SafeDeepSpeedPlugin(hf_ds_config=rank_dependent_config(world)))
+        net = build(MODELS["moe"])
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)
+        loader = torch.utils.data.DataLoader(dealt_rows("moe", world), batch_size=2)
+        model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+        seen, losses = [], []
+        for x, y in loader:
+            loss = model(x, y)
+            accelerator.backward(loss)  # DeepSpeed's backward and step
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(x.clone())
+            losses.append(loss.item())
+        return {"rank": accelerator.process_index, "world": accelerator.num_processes, "seen": seen,
+                "losses": losses, "safe": hasattr(model, "safe_zero_session"),
+                "engaged": sorted(model.safe_zero_session.report) if hasattr(model, "safe_zero_session") else [],
+                "params": {n: p.detach().float().clone() for n, p in model.module.named_parameters()}}
+    finally:  # leave the pool's process as it was for the next test
+        AcceleratorState._reset_state(reset_partial_state=True)
+        uninstall_on_request()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def test_accelerate_trains_rank_dependent_experts_as_one_process_on_the_global_batch(ranks):
+    results = ranks.run(2, _accelerate_trains_rank_dependent_experts)
+    expected = reference("moe", 2)
+    for r in results:
+        assert (r["world"], r["safe"]) == (2, True)
+        assert "gradless_params" in r["engaged"], r["engaged"]
+        # Accelerate's sharded loader gave each rank its own batches: the ones the reference trains rank r on.
+        assert len(r["seen"]) == STEPS
+        for step, x in enumerate(r["seen"]):
+            assert torch.equal(x, micro_batch("moe", r["rank"], 2, step)[0]), (r["rank"], step)
+        assert max_error(r, expected) < TOLERANCE
