@@ -1,4 +1,5 @@
-"""HF Trainer on a tiny FP-Quant-style Llama at ZeRO-3, with 1 and 2 processes.
+"""HF Trainer on a tiny FP-Quant-style Llama at ZeRO-3, with 1 and 2 processes; and at ZeRO-2 on 2 ranks with
+different batches, an MoE whose ranks use different experts against single-process training on the global batch.
 
 The Llama (hidden 64, 2 layers, vocab 128, from a LlamaConfig) has FP-Quant's zero-sized ``(0,)``
 placeholders and a trainable ``dqweight`` that never gets a gradient. Stock DeepSpeed fails; the
@@ -9,6 +10,7 @@ safe_zero.accelerate``) train it with a finite, falling loss.
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,13 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+
 from tests.accelerate.launch import accelerate_launch, by_phase  # noqa: E402
+from tests.accelerate.test_rank_dependent import rank_dependent_config  # noqa: E402
+from tests.fixes.test_gradless_params_ranks import (LR, MODELS, STEPS, TOLERANCE, dealt_rows, max_error,  # noqa: E402
+                                                    micro_batch, reference)
+from tests.models import build  # noqa: E402
 
 SCRIPT = "tests/accelerate/trainer_script.py"
 
@@ -79,3 +87,75 @@ def test_callback_added_after_construction_refuses_to_train():
 
     with pytest.raises(SafeZeroError, match=r"Pass it to the constructor: Trainer\(..., callbacks=\[SafeZeroCallback"):
         SafeZeroCallback().on_train_begin(None, SimpleNamespace(is_world_process_zero=True), None)
+
+
+class _RankDependentDataset(torch.utils.data.Dataset):
+    """``dealt_rows`` as the ``{"x", "y"}`` rows Trainer's default collator stacks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.rows = dealt_rows("moe", world_size)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        x, y = self.rows[i]
+        return {"x": x, "y": y}
+
+
+def _trainer_trains_rank_dependent_experts(output_dir: str) -> dict:
+    """HF Trainer with ``SafeZeroCallback`` on the rank pool's ranks (what ``accelerate launch`` starts): ZeRO-2 fp32,
+    Trainer's own AdamW at a constant ``LR``, clipping at 1.0, each rank on its own batches."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    from safe_zero.accelerate import SafeZeroCallback, cpu_distributed_state, uninstall_on_request
+
+    class MoE(MODELS["moe"]):
+        """The MoE with Trainer's output (a dict with the loss); records the inputs each step saw."""
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+            self.seen.append(x.detach().clone())
+            return {"loss": super().forward(x, y)}
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):  # no shuffling: dealt_rows' layout decides who gets what
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    world = dist.get_world_size()
+    ds = rank_dependent_config(world)
+    ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
+              gradient_clipping="auto")
+    environ = dict(os.environ)
+    try:
+        args = TrainingArguments(output_dir=output_dir, deepspeed=ds, per_device_train_batch_size=2, max_steps=STEPS,
+                                 learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
+                                 optim="adamw_torch", logging_steps=1, save_strategy="no", report_to=[],
+                                 disable_tqdm=True,
+                                 accelerator_config={"use_configured_state": cpu_distributed_state()})
+        net = build(MoE)
+        net.seen = []
+        trainer = InOrder(model=net, args=args, train_dataset=_RankDependentDataset(world),
+                          callbacks=[SafeZeroCallback()])
+        trainer.train()
+        engine = trainer.model_wrapped
+        return {"rank": dist.get_rank(), "world": trainer.accelerator.num_processes, "seen": net.seen,
+                "stage": engine.zero_optimization_stage(), "safe": hasattr(engine, "safe_zero_session"),
+                "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+    finally:  # leave the pool's process as it was for the next test
+        AcceleratorState._reset_state(reset_partial_state=True)
+        uninstall_on_request()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def test_trainer_trains_rank_dependent_experts_as_one_process_on_the_global_batch(ranks, tmp_path):
+    results = ranks.run(2, _trainer_trains_rank_dependent_experts, output_dir=str(tmp_path))
+    expected = reference("moe", 2)
+    for r in results:
+        assert (r["world"], r["stage"], r["safe"]) == (2, 2, True)
+        assert len(r["seen"]) == STEPS  # one forward a step: each rank's own batches, the reference's
+        for step, x in enumerate(r["seen"]):
+            assert torch.equal(x, micro_batch("moe", r["rank"], 2, step)[0]), (r["rank"], step)
+        assert max_error(r, expected) < TOLERANCE
