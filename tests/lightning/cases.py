@@ -473,3 +473,50 @@ def trainer_resumes_stock_checkpoint(stage: int, devices: int, tmp: str) -> dict
             except Exception as error:  # noqa: BLE001  (the test asserts which)
                 out["unfixed_error"] = f"{type(error).__name__}: {error}"
     return out
+
+
+# --- ranks on their own batches (issue 27 item 6) ------------------------------------------------------------------
+
+
+class RankDependentMoE(pl.LightningModule):
+    """``tests.fixes.test_gradless_params_ranks``'s MoE (each rank's tokens go to other experts) with the reference's
+    AdamW; records the inputs each step saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.fixes.test_gradless_params_ranks import MODELS
+
+        self.net = MODELS["moe"]()
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.seen.append(x.detach().clone())
+        return self.net(x, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        from tests.fixes.test_gradless_params_ranks import LR
+
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+
+def trainer_fits_rank_dependent_experts(devices: int) -> dict[str, Any]:
+    """``safe_deepspeed_stage_2`` in fp32 with clipping at 1.0, a ``DistributedSampler`` of our own (unshuffled; Lightning
+    keeps a user's, and the one it injects here drew the rows in another order) dealing ``dealt_rows`` so that each rank trains on its own batches; the
+    MoE's trained weights by name."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from tests.fixes.test_gradless_params_ranks import STEPS as STEPS_RANKS
+    from tests.fixes.test_gradless_params_ranks import dealt_rows
+
+    torch.manual_seed(0)  # as tests.models.build: the reference's initial weights
+    model = RankDependentMoE()
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="safe_deepspeed_stage_2", precision="32-true",
+                         max_steps=STEPS_RANKS, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    rows = dealt_rows("moe", devices, by="sample")
+    trainer.fit(model, DataLoader(rows, batch_size=2, sampler=DistributedSampler(rows, shuffle=False)))
+    engine = trainer.strategy.model
+    return {"rank": trainer.global_rank, "world_size": trainer.world_size, "steps": trainer.global_step,
+            "seen": model.seen, "engine": type(engine).__name__, "fixes_engaged": sorted(engine.safe_zero_session.report),
+            "params": {n: p.detach().float().clone() for n, p in model.net.named_parameters()}}

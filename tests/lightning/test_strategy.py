@@ -3,7 +3,8 @@
 The module (``tests.lightning.cases.Core``) has a zero-sized layer used in the loss, a trainable
 parameter that gets no gradient and a grouped_mm expert block behind a 6-byte parameter. One
 process runs on the rank pool (``ranks``); two processes run ``two_devices.py`` through Lightning's
-own launcher, which re-executes the script for rank 1.
+own launcher, which re-executes the script for rank 1. A rank-dependent MoE trains on two ranks of the rank pool
+(each on its own batches) against single-process training on the global batch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -204,6 +206,23 @@ def test_fabric_fits_saves_loads_and_converts_on_two_cpu_processes(two_devices):
 def test_two_process_script_exits_cleanly(two_devices):
     _two_device_results(two_devices, TWO_DEVICE_CASES[-1])
     assert two_devices["code"] == 0, two_devices["tail"]
+
+
+def test_trainer_trains_rank_dependent_experts_on_two_ranks_as_one_process_on_the_global_batch(ranks):
+    """Two ranks of the rank pool (a launcher's processes: Lightning launches none), each dealt its own batches by
+    Lightning's DistributedSampler: the MoE whose ranks use different experts trains to the weights of
+    single-process fp32 training on the global batch (``tests/fixes/test_gradless_params_ranks.py``)."""
+    from tests.fixes.test_gradless_params_ranks import STEPS, TOLERANCE, max_error, micro_batch, reference
+
+    results = ranks.run(2, cases.trainer_fits_rank_dependent_experts, devices=2)
+    expected = reference("moe", 2)
+    for r in results:
+        assert (r["world_size"], r["steps"], r["engine"]) == (2, STEPS, "DeepSpeedEngine")
+        assert "gradless_params" in r["fixes_engaged"], r["fixes_engaged"]
+        assert len(r["seen"]) == STEPS
+        for step, x in enumerate(r["seen"]):
+            assert torch.equal(x, micro_batch("moe", r["rank"], 2, step)[0]), (r["rank"], step)
+        assert max_error(r, expected) < TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------- registry, docs
