@@ -85,6 +85,35 @@ def calls(*names: str) -> Callable[[M], M]:
     return mark
 
 
+def pass_through(obj: Any, name: str, mixin: type) -> None:
+    """``mixin``'s override of method ``name`` has nothing to do on ``obj``: skip it where it leads the chain.
+
+    DeepSpeed calls some methods per module or per parameter every step; an override with nothing to do for this
+    model still costs a Python call there. ``obj.name`` is bound on the instance to the first override in the
+    class's order whose mixin has not passed through (only a leading run can be skipped: an override inside the
+    chain still calls the next with ``super()``). :func:`resume` undoes it.
+    """
+    idle = obj.__dict__.setdefault("_safe_zero_idle", {}).setdefault(name, set())
+    idle.add(mixin)
+    _bind_first_busy(obj, name, idle)
+
+
+def resume(obj: Any, name: str, mixin: type) -> None:
+    """``mixin``'s override of ``name`` has something to do on ``obj`` again (after :func:`pass_through`)."""
+    idle = obj.__dict__.get("_safe_zero_idle", {}).get(name, set())
+    idle.discard(mixin)
+    _bind_first_busy(obj, name, idle)
+
+
+def _bind_first_busy(obj: Any, name: str, idle: set[type]) -> None:
+    owners = [klass for klass in type(obj).__mro__ if name in vars(klass)]
+    first = next(klass for klass in owners if klass not in idle)
+    if first is owners[0]:
+        obj.__dict__.pop(name, None)
+    else:
+        obj.__dict__[name] = vars(first)[name].__get__(obj, type(obj))
+
+
 def is_override(method: Any) -> bool:
     return getattr(method, _OVERRIDES, False)
 

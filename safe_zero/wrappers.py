@@ -61,9 +61,10 @@ class SafeDeepSpeedZeRoOffload(CapturesSession, AlignAllReduceFetch, AdoptZeroEl
     """ZeRO-3 parameter manager (also the inference-only ZeRO-3 route)."""
 
 
-class SafePartitionedParameterCoordinator(CapturesSession, GuardGatheredAlignment, AgreesOnModulesWhileRecording,
-                                          MaterializeZeroElementOnFetch, PartitionedParameterCoordinator):
-    """ZeRO-3 fetch/release coordinator."""
+class SafePartitionedParameterCoordinator(CapturesSession, GuardGatheredAlignment, MaterializeZeroElementOnFetch,
+                                          AgreesOnModulesWhileRecording, PartitionedParameterCoordinator):
+    """ZeRO-3 fetch/release coordinator. The fetch overrides that have nothing to do on a model pass through
+    (``patching.pass_through``), so their order puts the one that always has work (the module clock) last."""
 
 
 SAFE_CLASSES = (

@@ -52,3 +52,42 @@ def test_injection_restores_the_session_that_was_current_before():
             assert current_session() is inner
         assert current_session() is outer  # was None after an injection, whatever was current before
     assert current_session() is None
+
+
+def test_pass_through_skips_a_leading_run_of_idle_overrides_and_resume_undoes_it():
+    from safe_zero.patching import pass_through, resume
+
+    calls = []
+
+    class Stock:
+        def step(self):
+            calls.append("stock")
+
+    class Outer:
+        def step(self):
+            calls.append("outer")
+            super().step()
+
+    class Inner:
+        def step(self):
+            calls.append("inner")
+            super().step()
+
+    class Safe(Outer, Inner, Stock):
+        pass
+
+    def run(obj):
+        calls.clear()
+        obj.step()
+        return list(calls)
+
+    obj = Safe()
+    pass_through(obj, "step", Inner)
+    assert run(obj) == ["outer", "inner", "stock"], "an idle override inside the chain still runs"
+    pass_through(obj, "step", Outer)
+    assert run(obj) == ["stock"]
+    resume(obj, "step", Inner)
+    assert run(obj) == ["inner", "stock"]
+    resume(obj, "step", Outer)
+    assert run(obj) == ["outer", "inner", "stock"] and "step" not in vars(obj)
+    assert run(Safe()) == ["outer", "inner", "stock"], "per instance"

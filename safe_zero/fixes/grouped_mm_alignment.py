@@ -55,7 +55,7 @@ from safe_zero.checkpoint_layout import LoadsUnpaddedCheckpoints  # noqa: F401  
 from safe_zero.checkpoint_layout import RecordsFlatOrder, RelaysByName
 from safe_zero.errors import AlignmentError
 from safe_zero.fix import Fix
-from safe_zero.patching import overrides, stock_class
+from safe_zero.patching import overrides, pass_through, stock_class
 from safe_zero.session import session_for
 
 FIX = Fix(
@@ -265,6 +265,9 @@ class GuardGatheredAlignment:
         # module id -> its detected weights: fetches run per submodule per step, so look once.
         self._safe_zero_guarded_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
         super().__init__(*args, **kwargs)
+        plan = plan_for(session_for(self))
+        if not (plan.guard and plan.params):  # nothing to check: skip this override at every module entry
+            pass_through(self, "fetch_sub_module", GuardGatheredAlignment)
 
     @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:

@@ -38,7 +38,7 @@ from deepspeed.utils import z3_leaf_module, zero_to_fp32
 from packaging.specifiers import SpecifierSet
 
 from safe_zero.fix import Fix
-from safe_zero.patching import overrides, swapped
+from safe_zero.patching import overrides, pass_through, swapped
 from safe_zero.session import Session, session_for
 
 FIX = Fix(
@@ -169,6 +169,8 @@ class MaterializeZeroElementOnFetch:
         # module id -> its zero-element parameters: fetches run per submodule per step, so look once.
         self._safe_zero_empty_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
         super().__init__(*args, **kwargs)
+        if not session_for(self).uses(FIX):  # skip this override at every module entry
+            pass_through(self, "fetch_sub_module", MaterializeZeroElementOnFetch)
 
     @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
@@ -199,12 +201,13 @@ class AdoptZeroElementParams:
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
         session = session_for(self)
-        if session.uses(FIX):
-            params = list(module.parameters())
-            empty = sum(1 for p in params if is_zero_element(p))
-            if empty:
-                adopt(params, session)
-                session.engaged(FIX, f"{empty} zero-element parameter(s) kept out of ZeRO-3 collectives")
+        params = list(module.parameters()) if session.uses(FIX) else []
+        empty = sum(1 for p in params if is_zero_element(p))
+        if empty:
+            adopt(params, session)
+            session.engaged(FIX, f"{empty} zero-element parameter(s) kept out of ZeRO-3 collectives")
+        else:  # the coordinator's fetch has nothing to materialize on this model
+            pass_through(self.get_param_coordinator(), "fetch_sub_module", MaterializeZeroElementOnFetch)
 
 
 class GuardEmptyQuantize:

@@ -22,7 +22,7 @@ from safe_zero.fixes.gradless.lockstep import END, module_to_gather, skipped_mod
 from safe_zero.fixes.gradless.planner import Planner
 from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import zero_stage
-from safe_zero.patching import calls, overrides
+from safe_zero.patching import calls, overrides, pass_through, resume
 from safe_zero.session import Session, session_for
 
 
@@ -40,13 +40,14 @@ class ModuleClock:
         self.position = 0
         #: Whether DeepSpeed's module order is recorded and still followed (a walk on this clock can hold).
         self.recorded = recorded
-        self._planner: Planner | None = None
-        self._at_boundary: Callable[[int, int], None] | None = None
+        #: The planner following this clock, and what to call at a module entry where it may hand over (:meth:`follow`).
+        self.planner: Planner | None = None
+        self.at_boundary: Callable[[int, int], None] = lambda position, task: None
 
     def follow(self, planner: Planner, at_boundary: Callable[[int, int], None]) -> None:
         """``at_boundary(position, task)`` is called at each module entry of a backward where ``planner`` may hand
         over something (its ``wake_at``/``wake_task``), before that module's gathers."""
-        self._planner, self._at_boundary = planner, at_boundary
+        self.planner, self.at_boundary = planner, at_boundary
 
     def restart(self) -> None:
         """A forward begins (DeepSpeed's ``reset_step``), on every rank alike."""
@@ -56,16 +57,16 @@ class ModuleClock:
         """A module is entered in autograd task ``task`` (-1: no backward runs), its gathers to follow. Called on
         every rank in the same order while they follow one module order. Returns the module's position."""
         position = self.position
-        planner = self._planner
+        planner = self.planner
         if planner is not None and task != -1 and (position >= planner.wake_at or task != planner.wake_task):
-            self._at_boundary(position, task)
+            self.at_boundary(position, task)
         self.position = position + 1
         return position
 
     def left_order(self) -> None:
         """Every rank left the recorded module order at the same module (agreed through the store)."""
-        if self._planner is not None:
-            self._planner.left_order()
+        if self.planner is not None:
+            self.planner.left_order()
 
 
 def _module_params(module: nn.Module) -> list[nn.Parameter]:
@@ -215,9 +216,12 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_recording: list[int] = []
         self._safe_zero_group: Any = None  # the data-parallel group of the last module agreed on
         self._safe_zero_diverged = False  # this forward's ranks went on in lockstep
-        # DeepSpeed releases per module entry; with nothing kept gathered and no divergence the override below has
-        # nothing to do, so the release goes to the next class's directly.
-        self.release_sub_module = super().release_sub_module
+        self._safe_zero_followed = False  # the recorded module order was followed up to the last module entered
+        # DeepSpeed calls these per module entry: with nothing kept gathered and no divergence the overrides have
+        # nothing to do, and with the fix off neither has the fetch (the module clock then has no follower).
+        idle = ("trace_prologue", "release_sub_module") + (() if self._safe_zero_on else ("fetch_sub_module",))
+        for name in idle:
+            pass_through(self, name, AgreesOnModulesWhileRecording)
 
     def know_model(self, root: nn.Module, persistent: list[nn.Parameter], find_skipped: bool) -> None:
         """The model's modules (names for errors, ``named_modules`` order for the lockstep), DeepSpeed's list of
@@ -242,7 +246,8 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_kept_modules = {*self._safe_zero_kept_modules,
                                         *(id(m) for outer in modules.values() for m in outer.modules())}
         self._safe_zero_kept_params = list(dict.fromkeys([*self._safe_zero_kept_params, *params]))
-        self.__dict__.pop("release_sub_module", None)  # back to the override below
+        for name in ("trace_prologue", "release_sub_module"):
+            resume(self, name, AgreesOnModulesWhileRecording)
         if gather_now:
             self._gather_alike(params, entering=True)
         session_for(self).engaged(FIX, f"optional module(s) {', '.join(modules)} kept gathered on every rank under "
@@ -255,6 +260,7 @@ class AgreesOnModulesWhileRecording:
         super().reset_step()
         self._safe_zero_recording = []
         self._safe_zero_forwards += 1
+        self._safe_zero_followed = self._safe_zero_on and self.is_complete_trace()
         self.module_clock.restart()
         released = [p for p in self._safe_zero_kept_params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if released:  # released on every rank alike: by an optimizer step, a checkpoint or empty_partition_cache
@@ -262,14 +268,8 @@ class AgreesOnModulesWhileRecording:
 
     @overrides
     def trace_prologue(self, sub_module: nn.Module) -> None:
-        if id(sub_module) in self._safe_zero_kept_modules:
-            return
-        position = self.module_clock.enter(torch._C._current_graph_task_id())
-        complete = self.is_complete_trace()
-        super().trace_prologue(sub_module)
-        if complete and self._safe_zero_on and self.is_invalid_trace():
-            self._agree_on_leaving_the_trace(sub_module, position)
-            self.module_clock.left_order()
+        if id(sub_module) not in self._safe_zero_kept_modules:
+            super().trace_prologue(sub_module)
 
     def _agree_on_leaving_the_trace(self, module: nn.Module, position: int) -> None:
         store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
@@ -296,8 +296,19 @@ class AgreesOnModulesWhileRecording:
 
     @overrides
     def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
+        # DeepSpeed calls trace_prologue, then this, at each module entry: one override carries the entry.
         if id(current_submodule) in self._safe_zero_kept_modules:
             return
+        # ``self.module_clock.enter(task)``, inlined: it runs per module entry.
+        clock = self.module_clock
+        position, planner, task = clock.position, clock.planner, torch._C._current_graph_task_id()
+        if planner is not None and task != -1 and (position >= planner.wake_at or task != planner.wake_task):
+            clock.at_boundary(position, task)
+        clock.position = position + 1
+        if self._safe_zero_followed and self.is_invalid_trace():  # trace_prologue just left the recorded order
+            self._safe_zero_followed = False
+            self._agree_on_leaving_the_trace(current_submodule, position)
+            clock.left_order()
         if forward and self._safe_zero_on and self.is_record_trace():
             # Modules whose parameters are all zero-element gather nothing: no agreement either.
             params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
@@ -339,7 +350,7 @@ class AgreesOnModulesWhileRecording:
             if not self._safe_zero_find_skipped or torch._C._current_graph_task_id() != -1:
                 raise RankDivergenceError(_divergence_message(self._safe_zero_names, announced))
             self._safe_zero_diverged = True
-            self.__dict__.pop("release_sub_module", None)  # the root's release settles the divergence
+            resume(self, "release_sub_module", AgreesOnModulesWhileRecording)  # the root's release settles it
             # The whole module, its children included: a forward may read a child's weight before calling it
             # (DeepSpeed then gathers it on this rank alone), and the ranks entering it gather nothing more inside.
             _, module = self._safe_zero_modules[chosen]
@@ -375,7 +386,7 @@ class AgreesOnModulesWhileRecording:
         self._agree_on_module(END)
         self._safe_zero_diverged = False
         if not self._safe_zero_kept_params:
-            self.release_sub_module = super().release_sub_module
+            pass_through(self, "release_sub_module", AgreesOnModulesWhileRecording)
         entered = self._entered_by_rank()
         skipped = skipped_modules(entered, self._safe_zero_alternatives)
         modules = {name: self._modules_by_name[name] for name in skipped}
