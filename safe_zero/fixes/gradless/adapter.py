@@ -36,7 +36,8 @@ class PlannerAdapter:
             return None
         mode = (Mode.PASS_THROUGH if world < 2 else
                 Mode.AGREED if session.options.find_unused_parameters else Mode.STRICT)
-        backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group, session)
+        backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group, session,
+                                    hold_accumulators=not clocked)
         self._safe_zero_planner = Planner(mode, backend, clocked=clocked, queues=queues)
         return self._safe_zero_planner
 

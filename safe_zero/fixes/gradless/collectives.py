@@ -16,14 +16,31 @@ from safe_zero.fixes.gradless import FIX
 from safe_zero.session import Session, session_for
 
 
-def reached(params: Sequence[torch.Tensor]) -> list[bool]:
+class Reachability:
     """Whether the running backward will execute each parameter's gradient accumulator (as DeepSpeed's own
-    ``count_used_parameters_in_backward`` asks). Asked afresh in each backward, never held: a held accumulator
-    would be reused by the next forward, with the shape the parameter had when it was made."""
-    will_execute = torch._C._will_engine_execute_node
-    with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
-        nodes = [_get_grad_fn_or_grad_acc(p) for p in params]
-    return [node is not None and bool(will_execute(node)) for node in nodes]
+    ``count_used_parameters_in_backward`` asks).
+
+    Finding a leaf's accumulator costs a view and its autograd node (about 5 us); ZeRO-1/2 asks for every
+    parameter left in the order once per backward, so there the accumulators are held (``hold``), as DDP's reducer
+    holds them, and autograd reuses them. Not on ZeRO-3: it re-points a partitioned parameter at an empty tensor
+    between uses, and a held accumulator keeps the shape the parameter had when it was made.
+    """
+
+    def __init__(self, hold: bool) -> None:
+        self._held: dict[int, Any] | None = {} if hold else None
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> list[bool]:
+        will_execute = torch._C._will_engine_execute_node
+        held = self._held
+        with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
+            if held is None:
+                nodes = [_get_grad_fn_or_grad_acc(p) for p in params]
+            else:
+                for p in params:
+                    if id(p) not in held:
+                        held[id(p)] = _get_grad_fn_or_grad_acc(p)
+                nodes = [held[id(p)] for p in params]
+        return [node is not None and bool(will_execute(node)) for node in nodes]
 
 
 class _Flags:
@@ -42,14 +59,16 @@ class DataParallelRanks:
     """The planner's :class:`~safe_zero.fixes.gradless.planner.Backend` on DeepSpeed's process groups.
 
     ``agreed`` and ``ordered`` list an optimizer's trainable parameters per data-parallel group; ``session`` is
-    the optimizer's, told once that reentrant checkpointing holds gradients for the epilogue.
+    the optimizer's, told once that reentrant checkpointing holds gradients for the epilogue;
+    ``hold_accumulators``: see :class:`Reachability` (ZeRO-1/2 only).
     """
 
     def __init__(self, agreed: Callable[[], list[tuple[Any, list[torch.Tensor]]]],
-                 ordered: Callable[[], list[tuple[Any, list[torch.Tensor]]]], session: Session) -> None:
+                 ordered: Callable[[], list[tuple[Any, list[torch.Tensor]]]], session: Session,
+                 hold_accumulators: bool) -> None:
         self.agreed_groups = agreed
         self.ordered_groups = ordered
-        self.reached = reached
+        self.reached = Reachability(hold_accumulators)
         self._session = session
         self._warned = False
 
