@@ -293,9 +293,10 @@ class Planner:
         slot = walk.order.slot.get(id(param))
         if slot is None:  # made trainable after the order was agreed: nothing to keep in step with
             return [(param, args, FIRED)]
-        sequence = slot[0]
-        walk.fired[id(param)] = args
+        sequence, position = slot
+        fired = walk.fired
         if self.phase is Phase.HOLDING:
+            fired[id(param)] = args
             return []
         # ``walk.hand_over(sequence, clock=clock, ask=clock is None)``, inlined: it runs per parameter per step.
         # On ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
@@ -303,13 +304,18 @@ class Planner:
         order = walk.order
         params, args_of, k = order.sequences[sequence], order.args[sequence], walk.next[sequence]
         due = order.due[sequence] if clock is not None and order.due is not None else None
-        fired, reached = walk.fired, walk.reached[sequence]
-        handovers = []
+        reached = walk.reached[sequence]
+        if position == k and (due is None or due[k] <= clock):  # the next one due, as it is when ranks agree
+            handovers = [(param, args, FIRED)]
+            k += 1
+        else:  # parked until the ones before it are handed over
+            fired[id(param)] = args
+            handovers = []
         while k < len(params):
             if due is not None and due[k] > clock:
                 break
             nxt = params[k]
-            nxt_args = fired.pop(id(nxt), None)
+            nxt_args = fired.pop(id(nxt), None) if fired else None
             if nxt_args is not None:
                 handovers.append((nxt, nxt_args, FIRED))
             elif clock is not None:
