@@ -181,17 +181,17 @@ class ExpertBlock(nn.Module):
 
     EXPERTS = 4
 
-    def __init__(self) -> None:
+    def __init__(self, out_features: int = 8) -> None:
         super().__init__()
         self.router = nn.Linear(8, self.EXPERTS, bias=False)
         self.router.requires_grad_(False)
         with torch.no_grad():  # routes on the first EXPERTS input features: a token goes where it is largest
             self.router.weight.copy_(torch.eye(self.EXPERTS, 8))
-        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(self.EXPERTS))
+        self.experts = nn.ModuleList(nn.Linear(8, out_features) for _ in range(self.EXPERTS))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         choice = self.router(x).argmax(-1)
-        out = torch.zeros_like(h)
+        out = h.new_zeros(h.shape[0], self.experts[0].out_features)
         for e, expert in enumerate(self.experts):
             rows = (choice == e).nonzero().squeeze(1)
             if rows.numel():
@@ -213,26 +213,15 @@ class ExpertMoE(nn.Module):
         return (self.head(torch.relu(self.moe(x, h) + h)) - y).pow(2).mean()
 
 
-class RootExperts(nn.Module):
+class RootExperts(ExpertBlock):
     """An MoE layer trained as the whole model (a router probe, a small custom MoE head): its ``experts``
     ``nn.ModuleList`` hangs off the root, so there is no block below the root to gather whole."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.router = nn.Linear(8, ExpertBlock.EXPERTS, bias=False)
-        self.router.requires_grad_(False)
-        with torch.no_grad():  # routes as ExpertBlock's router does
-            self.router.weight.copy_(torch.eye(ExpertBlock.EXPERTS, 8))
-        self.experts = nn.ModuleList(nn.Linear(8, 1) for _ in range(ExpertBlock.EXPERTS))
+        super().__init__(out_features=1)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        choice = self.router(x).argmax(-1)
-        out = torch.zeros_like(y)
-        for e, expert in enumerate(self.experts):
-            rows = (choice == e).nonzero().squeeze(1)
-            if rows.numel():
-                out = out.index_add(0, rows, expert(x[rows]))
-        return (out - y).pow(2).mean()
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x, x) - y).pow(2).mean()
 
 
 class CheckpointedMoE(ExpertMoE):

@@ -21,10 +21,13 @@ import argparse
 import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/run_report.py
 
-import safe_zero.accelerate
-from safe_zero.accelerate import SafeZeroCallback, cpu_distributed_state
+import torch  # noqa: E402
+
+import safe_zero.accelerate  # noqa: E402
+from run_report import leave, report_trainer_run  # noqa: E402
+from safe_zero.accelerate import SafeZeroCallback, cpu_distributed_state  # noqa: E402
 
 IMAGE_TOKEN = 63
 IMAGE_TOKENS = 4  # (16 / 8)^2 patches of the CLIP tower below, its CLS token dropped
@@ -87,26 +90,9 @@ def main() -> None:
     trainer = Trainer(model=tiny_llava(), args=training_args, train_dataset=MixedSamples(world), callbacks=callbacks)
     trainer.train()
 
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    engine = trainer.model_wrapped
-    report = engine.safe_zero_session.report
-    rank = training_args.process_index
-    # One write, newline included: the ranks share one pipe, and print() writes text and newline apart.
-    print(f"[vlm_tower rank {rank}/{world}] ZeRO-{engine.zero_optimization_stage()} losses: "
-          f"{' '.join(f'{v:.4f}' for v in losses)}; safe_zero engaged: {', '.join(sorted(report)) or 'none'}\n",
-          end="", flush=True)
-    if rank == 0:
-        for name, what in report.items():
-            print(f"  {name}: {'; '.join(sorted(set(what)))}", flush=True)
+    report_trainer_run("vlm_tower", trainer)
 
 
 if __name__ == "__main__":
     main()
-    # A gloo thread torn down during interpreter finalization can abort a 2-process CPU run after training finished.
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    leave()

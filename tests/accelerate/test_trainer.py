@@ -22,8 +22,8 @@ import torch  # noqa: E402
 
 from tests.accelerate.launch import accelerate_launch, by_phase  # noqa: E402
 from tests.accelerate.test_rank_dependent import rank_dependent_config  # noqa: E402
-from tests.fixes.test_gradless_params_ranks import (LR, MODELS, STEPS, TOLERANCE, dealt_rows, max_error,  # noqa: E402
-                                                    micro_batch, reference)
+from tests.fixes.test_gradless_params_ranks import (LR, MODELS, STEPS,  # noqa: E402
+                                                    assert_trained_on_its_batches_as_the_reference, dealt_rows)
 from tests.models import build  # noqa: E402
 
 SCRIPT = "tests/accelerate/trainer_script.py"
@@ -151,11 +151,6 @@ def _trainer_trains_rank_dependent_experts(output_dir: str) -> dict:
 
 
 def test_trainer_trains_rank_dependent_experts_as_one_process_on_the_global_batch(ranks, tmp_path):
-    results = ranks.run(2, _trainer_trains_rank_dependent_experts, output_dir=str(tmp_path))
-    expected = reference("moe", 2)
-    for r in results:
+    for r in ranks.run(2, _trainer_trains_rank_dependent_experts, output_dir=str(tmp_path)):
         assert (r["world"], r["stage"], r["safe"]) == (2, 2, True)
-        assert len(r["seen"]) == STEPS  # one forward a step: each rank's own batches, the reference's
-        for step, x in enumerate(r["seen"]):
-            assert torch.equal(x, micro_batch("moe", r["rank"], 2, step)[0]), (r["rank"], step)
-        assert max_error(r, expected) < TOLERANCE
+        assert_trained_on_its_batches_as_the_reference(r, "moe", 2)  # one forward a step, each rank's own batches

@@ -170,38 +170,40 @@ def test_trl_sft_fp_quant_stock_fails(fp_quant_workdir: str) -> None:
     assert "safe_zero engaged" not in output
 
 
-# ---------------------------------------------------------------------------------------------- MoE expert modules
+# ---------------------------------------------------------------------------------------------- HF Trainer at ZeRO-3
+
+def trainer_launch(script: str, tmp_path: Path, *args: str, fails: bool = False, timeout: float = 400) -> str:
+    """``accelerate launch --config_file examples/accelerate/zero3.yaml --num_processes 2 examples/<script>
+    --steps STEPS --output-dir <tmp_path> <args>``."""
+    for module in ("transformers", "accelerate"):
+        pytest.importorskip(module)
+    return run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
+               "--num_processes", "2", f"examples/{script}", "--steps", str(STEPS), "--output-dir", str(tmp_path),
+               *args, fails=fails, timeout=timeout)
+
+
+def check_zero3_trains(output: str, tag: str) -> None:
+    """Both ranks trained at ZeRO-3, with falling losses, and safe_zero's ``gradless_params`` engaged."""
+    for rank in (0, 1):
+        stage, losses, engaged = result_line(output, f"{tag} rank {rank}/2")
+        assert stage == 3 and len(losses) == STEPS and losses[-1] < losses[0], losses
+        assert "gradless_params" in engaged
+
 
 def test_moe_experts_hf_trainer_two_processes(tmp_path: Path) -> None:
     """A remote-code-style MoE (expert ModuleList) trains at ZeRO-3 through the HF Trainer on 2 processes with no
     leaf-module configuration (stock DeepSpeed stops on it: tests/fixes/test_gradless_params_ranks.py)."""
-    for module in ("transformers", "accelerate"):
-        pytest.importorskip(module)
-    output = run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
-                 "--num_processes", "2", "examples/moe_experts/train_hf_trainer.py", "--steps", str(STEPS),
-                 "--output-dir", str(tmp_path))
-    for rank in (0, 1):
-        stage, losses, engaged = result_line(output, f"moe_experts rank {rank}/2")
-        assert stage == 3 and len(losses) == STEPS and losses[-1] < losses[0], losses
-        assert "gradless_params" in engaged
+    output = trainer_launch("moe_experts/train_hf_trainer.py", tmp_path)
+    check_zero3_trains(output, "moe_experts")
     assert "gradless_params: 2 MoE block(s) gathered whole as ZeRO-3 leaf modules (TinyMoE)" in output
 
-
-# ---------------------------------------------------------------------------------------------- VLM tower
 
 def test_vlm_tower_hf_trainer_two_processes(tmp_path: Path) -> None:
     """A tiny LLaVA on mixed image and text-only samples trains at ZeRO-3 through the HF Trainer on 2 processes with
     no safe_zero configuration: each step one rank skips the vision tower and the projector, which safe_zero finds
     in the first step and keeps gathered (stock stops on such a tower: tests/fixes/test_gradless_params_ranks.py)."""
-    for module in ("transformers", "accelerate"):
-        pytest.importorskip(module)
-    output = run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
-                 "--num_processes", "2", "examples/vlm_tower/train_hf_trainer.py", "--steps", str(STEPS),
-                 "--output-dir", str(tmp_path))
-    for rank in (0, 1):
-        stage, losses, engaged = result_line(output, f"vlm_tower rank {rank}/2")
-        assert stage == 3 and len(losses) == STEPS and losses[-1] < losses[0], losses
-        assert "gradless_params" in engaged
+    output = trainer_launch("vlm_tower/train_hf_trainer.py", tmp_path)
+    check_zero3_trains(output, "vlm_tower")
     assert ("optional module(s) model.multi_modal_projector, model.vision_tower kept gathered on every rank under "
             "ZeRO-3 (found: some ranks skipped them in a forward;") in output
 
@@ -209,10 +211,6 @@ def test_vlm_tower_hf_trainer_two_processes(tmp_path: Path) -> None:
 def test_vlm_tower_stock_fails(tmp_path: Path) -> None:
     """The same run on stock DeepSpeed: the rank with the image gathers the tower, the other the language model's
     next layer, and gloo stops on the size mismatch."""
-    for module in ("transformers", "accelerate"):
-        pytest.importorskip(module)
-    output = run("-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/zero3.yaml",
-                 "--num_processes", "2", "examples/vlm_tower/train_hf_trainer.py", "--steps", str(STEPS),
-                 "--output-dir", str(tmp_path), "--stock", fails=True, timeout=240)
+    output = trainer_launch("vlm_tower/train_hf_trainer.py", tmp_path, "--stock", fails=True, timeout=240)
     assert "Is there a distributed collective mismatch" in output, output[-4000:]
     assert "safe_zero engaged" not in output

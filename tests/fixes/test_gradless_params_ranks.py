@@ -92,6 +92,15 @@ def dealt_rows(model: str, world_size: int, steps: int = STEPS, by: str = "batch
     return [(batches[r, s][0][i], batches[r, s][1][i]) for r, s, i in order]
 
 
+def assert_trained_on_its_batches_as_the_reference(result: dict, model: str, world_size: int) -> None:
+    """One rank of an integration's run over ``dealt_rows``: its loader handed it its own ``micro_batch`` each step
+    (``result["seen"]``), and its parameters after ``STEPS`` are the single-process reference's."""
+    assert len(result["seen"]) == STEPS, len(result["seen"])
+    for step, x in enumerate(result["seen"]):
+        assert torch.equal(x, micro_batch(model, result["rank"], world_size, step)[0]), (result["rank"], step)
+    assert max_error(result, reference(model, world_size)) < TOLERANCE
+
+
 def config(stage: int, world_size: int, accumulation: int = 1, safe_zero: dict | None = None, *,
            dtype: str = "fp32", optimizer: str = "adamw", **zero) -> dict:
     """``optimizer="sgd"``: the engine gets a client ``torch.optim.SGD`` (see ``_train``) and no clipping, so an
