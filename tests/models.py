@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
 import torch
@@ -145,6 +146,23 @@ class OddExperts(nn.Module):
         offs = torch.arange(1, 5, dtype=torch.int32, device=x.device)
         h = torch.nn.functional.grouped_mm(tokens.to(self.experts.dtype), self.experts, offs=offs)
         return self.out(torch.relu(h)).float().pow(2).mean()
+
+
+def grouped_mm_transformers() -> bool:
+    """Whether Transformers' MoE models have grouped_mm experts: :class:`TinyGptOss` and the ``_TinyCausalMoE``
+    models are its own modeling code with fused 3-D expert weights run through ``transformers.integrations.moe``
+    (Transformers 5). Older releases (the 4.50 floor) build experts as separate modules, which need no alignment,
+    and have no GPT-OSS before 4.55."""
+    return (importlib.util.find_spec("transformers") is not None
+            and importlib.util.find_spec("transformers.integrations.moe") is not None)
+
+
+def skip_without_grouped_mm_transformers() -> None:
+    """Skip a test of :func:`grouped_mm_transformers`' models where the installed Transformers has none."""
+    import pytest
+
+    if not grouped_mm_transformers():
+        pytest.skip("needs Transformers' grouped_mm experts (transformers.integrations.moe, Transformers 5)")
 
 
 class TinyGptOss(nn.Module):

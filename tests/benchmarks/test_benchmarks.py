@@ -12,6 +12,7 @@ import pytest
 from benchmarks import bodies
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd
+from tests.models import skip_without_grouped_mm_transformers
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -33,7 +34,7 @@ def test_all_gathers_per_step_equal_with_and_without_empty_submodules(ranks):
 
 
 def test_safe_zero_order_aligns_gpt_oss_with_sinks_without_padding():
-    pytest.importorskip("transformers")
+    skip_without_grouped_mm_transformers()
     from benchmarks.alignment_overhead import gpt_oss, overhead
 
     # 20 heads: 40-byte attention sinks push every later expert weight 8 bytes off the grid in stock order.

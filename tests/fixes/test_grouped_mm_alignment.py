@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import OddExperts, TinyGptOss, batches, build, cpu_fused_adam, ds_config
+from tests.models import (OddExperts, TinyGptOss, batches, build, cpu_fused_adam, ds_config,
+                          skip_without_grouped_mm_transformers)
 from tests.rig import RankFailure
 
 ROUTES = {
@@ -168,7 +169,7 @@ CASES = [("odd", route, ws) for route in ROUTES for ws in (1, 2) if route != "ze
 def test_grouped_mm_weights_stay_aligned_zero_copy_and_resume(ranks, tmp_path, model_name, route, world_size):
     _skip_unreachable(route)
     if model_name == "gpt_oss":
-        pytest.importorskip("transformers")
+        skip_without_grouped_mm_transformers()
     ckpt = str(tmp_path / "ckpt")
     # Four engines per body (stock, unpadded, safe, resumed): allow for a loaded machine.
     results = ranks.run(world_size, _route_body, model_name=model_name, route=route, ckpt=ckpt, timeout=600)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.fixes.test_grouped_mm_world_sizes import _engine, _recording, _route_config, _train, _values
+from tests.models import skip_without_grouped_mm_transformers
 
 ROUTES = ["stage1", "stage2", "bf16_optimizer"]
 
@@ -99,7 +100,7 @@ REORDERED = {("gpt_oss", "bf16_optimizer"), ("odd", "stage3")}
 @pytest.mark.parametrize("layout, route, world_size", MOVES)
 def test_grouped_mm_checkpoints_move_between_stock_and_safe_zero(ranks, tmp_path, layout, route, world_size):
     if layout != "odd":
-        pytest.importorskip("transformers")
+        skip_without_grouped_mm_transformers()
     if route == "bf16_optimizer":
         from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
 
@@ -148,7 +149,7 @@ def _universal_load_body(layout: str, route: str, ckpt: str, tag: str) -> dict:
 @pytest.mark.parametrize("layout, route", UNIVERSAL)
 def test_a_universal_checkpoint_of_safe_zero_resumes_at_other_world_sizes(ranks, tmp_path, layout, route):
     if layout == "gpt_oss":
-        pytest.importorskip("transformers")
+        skip_without_grouped_mm_transformers()
     if route == "bf16_optimizer":
         from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.models import (Gradless, OddExperts, TinyDeepseekV3, TinyGptOss, TinyOlmoe, TinyQwen3Moe, ZeroSized, batches,
-                          build, ds_config)
+                          build, ds_config, grouped_mm_transformers, skip_without_grouped_mm_transformers)
 
 LAYOUTS = {"deepseek_v3": TinyDeepseekV3, "gpt_oss": TinyGptOss, "qwen3_moe": TinyQwen3Moe, "olmoe": TinyOlmoe,
            "odd": OddExperts, "zero_sized": ZeroSized, "gradless": Gradless}
@@ -167,7 +167,7 @@ def _zero3_cells(cells: list[tuple[str, str]], ckpt: str) -> dict:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero3_hands_grouped_mm_aligned_operands_at_every_world_size(ranks, tmp_path, world_size):
-    pytest.importorskip("transformers")
+    skip_without_grouped_mm_transformers()
     from safe_zero._compat import DEEPSPEED_VERSION, UNPADDED_ALL_REDUCE_FETCH
 
     cells = [(layout, path) for layout, path in ZERO3_CELLS[world_size]
@@ -239,10 +239,8 @@ if FULL:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_whenever_stock_trains_safe_zero_trains_aligned(ranks, world_size):
-    import importlib.util
-
     cells = [(layout, route) for layout, route in STAGE_CELLS[world_size]
-             if layout in ("odd", "unmarked") or importlib.util.find_spec("transformers")]
+             if layout in ("odd", "unmarked") or grouped_mm_transformers()]
     results = ranks.run(world_size, _stage_cells, cells=cells, timeout=900)
     misaligned_by_stock = set()
     for cell in results[0]:
