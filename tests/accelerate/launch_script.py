@@ -89,10 +89,12 @@ def train(accelerator, phase: str) -> None:
 
 
 def main() -> None:
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator, DeepSpeedPlugin, PartialState
 
     PartialState(backend="gloo")  # what a stock Accelerate script needs on a CPU host
-    accelerator = Accelerator(mixed_precision="bf16")
+    # The plugin the launch describes (--config_file), as Accelerator() builds it itself; given explicitly because
+    # Accelerate 1.9 builds it only when no process state exists yet, and otherwise fails on the state above.
+    accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin())
     train(accelerator, "stock")
     import safe_zero.accelerate  # noqa: F401  the config-file route: the JSON's "safe_zero" block opts in
 

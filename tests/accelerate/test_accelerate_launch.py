@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from tests.accelerate.launch import EXAMPLES, accelerate_launch, by_phase  # noqa: E402
+from tests.bodies import FRAGMENT_ASSERT  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +26,11 @@ SCRIPT = "tests/accelerate/launch_script.py"
 # ZeRO-2 trips over the grad-less parameter in its gradient hook; ZeRO-3 over the zero-sized one
 # in its first all-gather (the grad-less one would fail it next, in backward).
 STOCK_ERRORS = {
-    2: "AttributeError: 'NoneType' object has no attribute 'view'",
-    3: "'status': 'NOT_AVAILABLE', 'numel': 0",
+    # DeepSpeed < 0.19.6 can stop earlier at ZeRO-2, on the rank whose partition holds the zero-sized parameter
+    # (#8298); the other rank still stops on the grad-less one.
+    2: ("AttributeError: 'NoneType' object has no attribute 'view'",) + (("should be < fragment_end",)
+                                                                       if FRAGMENT_ASSERT else ()),
+    3: ("'status': 'NOT_AVAILABLE', 'numel': 0",),
 }
 
 
@@ -48,7 +52,7 @@ def test_stock_fails_and_the_config_file_route_trains(stage):
     records, _ = accelerate_launch("--config_file", f"examples/accelerate/zero{stage}.yaml", SCRIPT)
     stock = by_phase(records, "stock", 2)
     for r in stock:
-        assert STOCK_ERRORS[stage] in r["error"], r
+        assert any(error in r["error"] for error in STOCK_ERRORS[stage]), r
     safe = by_phase(records, "safe", 2)
     check_trained(safe, stage)
     engaged = {2: {"gradless_params", "grouped_mm_alignment"},
@@ -56,7 +60,9 @@ def test_stock_fails_and_the_config_file_route_trains(stage):
     assert all(engaged <= set(r["engaged"]) for r in safe), safe
     if stage == 2:
         # Alignment decided by safe_zero.initialize from the model, through Accelerate's config_params route.
-        assert all(r["experts_offset"] == 6 for r in stock), "stock puts the experts weight 6 bytes off the grid"
+        # (A rank stopped by #8298 stopped in prepare, before its engine existed.)
+        built = [r for r in stock if "fragment_end" not in r["error"]]
+        assert built and all(r["experts_offset"] == 6 for r in built), "stock puts the experts weight 6 B off the grid"
         assert all(r["experts_offset"] == 0 and r["experts_offset_after"] == 0 for r in safe), safe
 
 

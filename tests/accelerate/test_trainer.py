@@ -59,15 +59,22 @@ def test_trainer_one_process_stock_fails_config_route_trains():
 @pytest.mark.slow
 def test_trainer_two_processes_with_safe_zero_callback():
     records, output = accelerate_launch("--config_file", "examples/accelerate/zero3.yaml", SCRIPT, "callback")
-    # Without the CPU process-state line, the callback stops before training and says what to pass.
+    # Without the CPU process-state line, the callback stops before training and says what to pass -- where
+    # Accelerate counts one process on a CPU host (1.9 counts the launcher's two: there is nothing to stop).
+    trained_without = 0
     for r in by_phase(records, "no-cpu-state", 2):
+        if r["error"] is None:
+            assert r["world"] == 2 and r["safe"], r
+            trained_without = 1
+            continue
         assert r["error"].startswith("WorldSizeMismatchError: Accelerate counts 1 process(es) but the DeepSpeed "
                                      "process group has 2"), r
         assert "use_cpu=True" in r["error"], "transformers 5.x's own way first"
         assert "cpu_distributed_state()" in r["error"] and "use_configured_state" in r["error"]
     check_trained(by_phase(records, "safe", 2), world=2)
     # The callback's line on the main process says which fixes acted.
-    assert output.count("safe_zero: Trainer's DeepSpeed engine built by safe_zero") == 1, output[-4000:]
+    assert output.count("safe_zero: Trainer's DeepSpeed engine built by safe_zero") == 1 + trained_without, \
+        output[-4000:]
 
 
 def test_callback_refuses_a_trainer_without_deepspeed():
