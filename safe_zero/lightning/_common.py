@@ -258,8 +258,9 @@ class FabricStrategyMixin(_SafeStrategyBase):
 
     def _initialize_engine(self, *args: Any, **kwargs: Any) -> tuple:
         with self._routed_initialize():
-            engine, optimizer, scheduler = super()._initialize_engine(*args, **kwargs)
-        return require_safe_engine(engine), optimizer, scheduler
+            # (engine, optimizer) before Lightning 2.5, (engine, optimizer, scheduler) since.
+            engine, *rest = super()._initialize_engine(*args, **kwargs)
+        return (require_safe_engine(engine), *rest)
 
 
 _INTRO = """\

@@ -206,8 +206,9 @@ def test_vlm_tower_hf_trainer_two_processes(tmp_path: Path) -> None:
     in the first step and keeps gathered (stock stops on such a tower: tests/fixes/test_gradless_params_ranks.py)."""
     output = trainer_launch("vlm_tower/train_hf_trainer.py", tmp_path)
     check_zero3_trains(output, "vlm_tower")
-    assert ("optional module(s) model.multi_modal_projector, model.vision_tower kept gathered on every rank under "
-            "ZeRO-3 (found: some ranks skipped them in a forward;") in output
+    # Transformers before 4.52 hangs the tower and the projector off the root, not off ``model``.
+    assert re.search(r"optional module\(s\) (model\.)?multi_modal_projector, (model\.)?vision_tower kept gathered on "
+                     r"every rank under ZeRO-3 \(found: some ranks skipped them in a forward;", output), output[-4000:]
 
 
 def test_vlm_tower_stock_fails(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 from tests.lightning import cases  # noqa: E402
+from tests.models import skip_without_grouped_mm_transformers  # noqa: E402
 
 WORLD_SIZE = 2
 ENGINES = {2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
@@ -25,6 +26,7 @@ ENGINES = {2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
 def test_trainer_resumes_a_stock_checkpoint_through_safe_zero(ranks, tmp_path, stage):
     from safe_zero._compat import DEEPSPEED_VERSION, PARAMETER_ALIGNMENT_OPTION
 
+    skip_without_grouped_mm_transformers()
     if stage == 2 and DEEPSPEED_VERSION not in PARAMETER_ALIGNMENT_OPTION:
         pytest.skip(f"the stock -> safe_zero ZeRO-2 conversion needs DeepSpeed {PARAMETER_ALIGNMENT_OPTION}")
     results = ranks.run(WORLD_SIZE, cases.trainer_resumes_stock_checkpoint, stage=stage, devices=WORLD_SIZE,
