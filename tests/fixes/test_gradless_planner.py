@@ -18,6 +18,7 @@ nested autograd task: reentrant checkpointing), ``"leave"`` (every rank left the
 from __future__ import annotations
 
 import inspect
+import random
 import threading
 import types
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import pytest
 from safe_zero.errors import RankDivergenceError
 from safe_zero.fixes.gradless import planner as planning
 from safe_zero.fixes.gradless.module_order import ModuleClock
-from safe_zero.fixes.gradless.planner import FIRED, HELD, Mode, Phase, Planner
+from safe_zero.fixes.gradless.planner import FIRED, HELD, Mode, Phase, Planner, carry_out
 
 #: The modules a forward enters before its backward begins (ZeRO-3 scripts).
 FORWARD_MODULES = 3
@@ -136,7 +137,8 @@ def _hand(replay: Replay, handovers: list, clock: ModuleClock | None) -> None:
         replay.reasons[-1][param] = reason
 
 
-def _run_rank(replay: Replay, planner: Planner, clock: ModuleClock | None, steps: list[list[str]]) -> None:
+def _run_rank(replay: Replay, planner: Planner, clock: ModuleClock | None, steps: list[list[str]],
+              fast: bool) -> None:
     backend = replay.backend
     named = {p: p for p in backend.params}  # the planner knows a parameter by identity, as torch's by id()
     if clock is not None:
@@ -164,7 +166,12 @@ def _run_rank(replay: Replay, planner: Planner, clock: ModuleClock | None, steps
                 left = True
             else:
                 replay.events.append(("hook", event))
-                _hand(replay, planner.hook(named[event], (), task, None if clock is None else clock.position), clock)
+                if fast:  # what the stage mixins do: the in-order fast path, else hook
+                    _hand(replay, carry_out(planner, named[event], (), task, None if clock is None else clock.position),
+                          clock)
+                else:
+                    _hand(replay, planner.hook(named[event], (), task, None if clock is None else clock.position),
+                          clock)
         _hand(replay, planner.finish_backward([(p, ()) for p in backend.params]), clock)
         replay.handed.append(("epilogue",))
         replay.events.append(("epilogue",))
@@ -172,8 +179,9 @@ def _run_rank(replay: Replay, planner: Planner, clock: ModuleClock | None, steps
 
 
 def replay(scripts: list[list[list[str]]], params: list[str], zero3: bool = False,
-           late: tuple[int, ...] = ()) -> list[Replay]:
-    """Run ``scripts[rank][step]`` on one ``Mode.AGREED`` planner per rank, in threads; every rank's :class:`Replay`."""
+           late: tuple[int, ...] = (), fast: bool = True) -> list[Replay]:
+    """Run ``scripts[rank][step]`` on one ``Mode.AGREED`` planner per rank, in threads; every rank's :class:`Replay`.
+    ``fast``: hooks take the in-order fast path where the planner offers it, as the mixins' do."""
     world = World(len(scripts))
     replays = []
     for rank in range(len(scripts)):
@@ -184,7 +192,7 @@ def replay(scripts: list[list[list[str]]], params: list[str], zero3: bool = Fals
     def run(rank: int) -> None:
         clock = ModuleClock(lambda: True) if zero3 else None
         try:
-            _run_rank(replays[rank], replays[rank].planner, clock, scripts[rank])
+            _run_rank(replays[rank], replays[rank].planner, clock, scripts[rank], fast)
         except BaseException as error:  # noqa: BLE001  (reported per rank, as the real rig does)
             replays[rank].error = error
 
@@ -314,6 +322,54 @@ def test_strict_mode_hands_each_hook_over_at_once_and_names_what_did_not_fire():
     assert world.posts == {}, "no collective"
 
 
+def _random_zero12_scripts(seed: int, ranks: int, steps: int, params: list[str]) -> list[list[list[str]]]:
+    """Per rank and step: a random subset of ``params`` (most of them) in an order that mostly keeps the first's."""
+    rng = random.Random(seed)
+    first = rng.sample(params, len(params))
+    scripts = []
+    for _ in range(ranks):
+        backwards = []
+        for _ in range(steps):
+            events = [p for p in first if rng.random() < 0.8]
+            for _ in range(rng.randrange(3)):  # a few hooks out of place
+                if len(events) > 1:
+                    events.insert(rng.randrange(len(events)), events.pop(rng.randrange(len(events))))
+            backwards.append(events)
+        scripts.append(backwards)
+    for backwards in scripts:  # the first backward: one relative order on every rank (see the module docstring)
+        backwards[0] = [p for p in first if p in backwards[0]]
+    return scripts
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_zero12_the_in_order_fast_path_hands_over_exactly_what_the_planner_alone_does(seed):
+    params = [f"p{k}" for k in range(9)]
+    scripts = _random_zero12_scripts(seed, 2 + seed % 2, 5, params)
+    fast, slow = replay(scripts, params, fast=True), replay(scripts, params, fast=False)
+    check(fast, scripts)
+    assert [r.events for r in fast] == [r.events for r in slow], "each hand-over at the same hook"
+
+
+def test_zero12_in_order_hooks_after_the_first_backward_call_the_planner_once_per_backward(monkeypatch):
+    calls = []
+    hook = Planner.hook
+    monkeypatch.setattr(Planner, "hook", lambda self, param, *args: calls.append(param) or hook(self, param, *args))
+    scripts = [[["d", "c", "b", "a"]] * 3] * 2
+    replays = replay(scripts, P4)
+    check(replays, scripts)
+    assert len(calls) == 2 * (4 + 1 + 1), "every hook of the agreeing backward, then each backward's first hook"
+
+
+def test_zero12_the_fast_path_hands_over_the_zeros_that_follow_a_hook():
+    """Rank 1 never reaches ``b``: ``c``'s hook hands it over as zeros right after ``c``, without the planner."""
+    scripts = [[["d", "c", "b", "a"]] * 3, [["d", "c", "a"]] * 3]
+    replays = replay(scripts, P4)
+    check(replays, scripts)
+    events = replays[1].events[replays[1].events.index(("epilogue",)) + 1:]
+    assert events[:7] == [("hook", "d"), ("reduce", "d", None), ("hook", "c"), ("reduce", "c", None),
+                          ("reduce", "b", None), ("hook", "a"), ("reduce", "a", None)]
+
+
 # -- ZeRO-3: hook order and the module clock -------------------------------------------------------------------
 
 #: Three modules' backward: ``m`` then the hooks of that module's parameters.
@@ -414,6 +470,45 @@ def test_zero3_three_ranks_with_parameters_each_rank_uses_on_some_steps():
     check(replay(scripts, P6, zero3=True), scripts)
 
 
+def _random_zero3_scripts(seed: int, ranks: int, steps: int) -> list[list[list[str]]]:
+    """Three modules of two parameters, entered last to first: per rank and step, each module's hooks (most of
+    them, sometimes swapped, sometimes one moved past the next module's gathers), the same first backward order."""
+    rng = random.Random(seed)
+    scripts = []
+    for _ in range(ranks):
+        backwards = []
+        for step in range(steps):
+            events: list[str] = []
+            for pair in (["f", "e"], ["d", "c"], ["b", "a"]):
+                hooks = [p for p in pair if step == 0 or rng.random() < 0.8]
+                if step and rng.random() < 0.3:
+                    hooks.reverse()
+                events += ["m"] + hooks
+            if step and rng.random() < 0.3 and events[2] != "m":  # f's partner moves past the next gather
+                events.insert(events.index("m", 1) + 1, events.pop(2))
+            backwards.append(events)
+        scripts.append(backwards)
+    return scripts
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_zero3_the_in_order_fast_path_hands_over_exactly_what_the_planner_alone_does(seed):
+    scripts = _random_zero3_scripts(seed, 2 + seed % 2, 5)
+    fast, slow = replay(scripts, P6, zero3=True, fast=True), replay(scripts, P6, zero3=True, fast=False)
+    check(fast, scripts, positions=False)
+    assert [r.events for r in fast] == [r.events for r in slow], "each hand-over at the same hook and gather"
+
+
+def test_zero3_in_order_hooks_after_the_first_backward_go_by_the_fast_path(monkeypatch):
+    calls = []
+    hook = Planner.hook
+    monkeypatch.setattr(Planner, "hook", lambda self, param, *args: calls.append(param) or hook(self, param, *args))
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    replays = replay([[dense] * 3] * 2, P6, zero3=True)
+    check(replays, [[dense] * 3] * 2)
+    assert len(calls) == 2 * 6, "the agreeing backward's hooks only: the walk expects each next one"
+
+
 # -- the replays have teeth: a broken planner turns them red --------------------------------------------------
 
 
@@ -425,7 +520,7 @@ def _mutate(monkeypatch: pytest.MonkeyPatch, *edits: tuple[str, str]) -> None:
         source = source.replace(old, new)
     mutant = types.ModuleType("mutated_planner")
     exec(compile(source, "mutated_planner.py", "exec"), mutant.__dict__)
-    for name in ("Planner", "Mode", "Phase"):
+    for name in ("Planner", "Mode", "Phase", "carry_out"):
         monkeypatch.setitem(globals(), name, getattr(mutant, name))
 
 
@@ -437,7 +532,7 @@ def test_a_planner_that_ignores_the_due_clock_fails_the_replays(monkeypatch):
 
 
 def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("if reached[k]:", "if True:"),
+    _mutate(monkeypatch, ("if reached[k]:", "if True:"), ("if not r:", "if False:"),
             ("elif finish or (ask and not self.reaches(sequence, k)):", "elif finish:"))
     with pytest.raises(AssertionError):
         test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
@@ -447,8 +542,22 @@ def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeyp
 
 def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_replays(monkeypatch):
     _mutate(monkeypatch, ("(nxt, args_of[k], UNUSED)", "(nxt, args_of[k], FIRED)"),
+            ("zeros.append((p, args, UNUSED))", "zeros.append((p, args, FIRED))"),
             ("(param, args_of[k], UNUSED)", "(param, args_of[k], FIRED)"))
     with pytest.raises(AssertionError):
         test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
     with pytest.raises(AssertionError):
         test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
+
+
+def test_a_fast_path_that_hands_over_before_an_unreached_parameter_alone_fails_the_replays(monkeypatch):
+    _mutate(monkeypatch, ("after[id(last)] = (p, tuple(zeros))", "after[id(last)] = (p, ())"))
+    with pytest.raises(AssertionError):
+        test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
+
+
+def test_a_fast_path_that_does_not_move_on_fails_the_replays(monkeypatch):
+    _mutate(monkeypatch, ("planner.expected, zeros = planner.successors[id(param)]",
+                          "zeros = planner.successors[id(param)][1]"))
+    with pytest.raises(AssertionError):
+        test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires()

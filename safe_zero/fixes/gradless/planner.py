@@ -93,6 +93,15 @@ class Backend(Protocol):
         """A nested backward (reentrant checkpointing) ran inside this one: tell the user, once."""
 
 
+class _At:
+    """``Planner.expected`` after the last parameter of the order: the walk stands at ``k``, its end."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+
 class ReductionOrder:
     """The one order in which every rank hands DeepSpeed its trainable parameters, per data-parallel group.
 
@@ -105,6 +114,7 @@ class ReductionOrder:
         self.args = args
         self.due = due
         self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
+        self._successors: tuple[list[bool], dict[int, Any]] | None = None
 
     @classmethod
     def agree(cls, backend: Backend, arrived: list[Any], args: dict[int, tuple],
@@ -126,6 +136,29 @@ class ReductionOrder:
             if clocks is not None:
                 due_rows.append(list(rows[1]))
         return cls(sequences, args_rows, due_rows if clocks is not None else None)
+
+    def successors(self, reached: list[bool] | None) -> dict[int, tuple[Any, Any]]:
+        """One sequence: per parameter, what the walk expects after it (``Planner.expected``). ZeRO-1/2, per
+        parameter a backward that reaches ``reached`` (aligned with the sequence) reaches: the next one it reaches,
+        and the hand-overs of the ones it does not reach in between (zeros, in their turn). ZeRO-3 (``due``,
+        ``reached`` None): the next parameter and its due clock. Built once per distinct ``reached``, in one pass."""
+        if self._successors is None or self._successors[0] != reached:
+            params, end = self.sequences[0], _At(len(self.sequences[0]))
+            if self.due is not None:
+                after = dict(zip(map(id, params), zip(params[1:] + [end], self.due[0][1:] + [NEVER])))
+            else:
+                after, last, zeros = {}, None, []
+                for p, args, r in zip(params, self.args[0], reached):
+                    if not r:
+                        zeros.append((p, args, UNUSED))
+                        continue
+                    if last is not None:
+                        after[id(last)] = (p, tuple(zeros))
+                    last, zeros = p, []
+                if last is not None:
+                    after[id(last)] = (end, tuple(zeros))
+            self._successors = (reached, after)
+        return self._successors[1]
 
 
 class _Agreement:
@@ -263,10 +296,19 @@ class Planner:
         self._walk: _Walk | None = None
         self._fired: set[int] | None = None  # Mode.STRICT: the parameters whose hook fired in this backward
         self._settling: tuple[_Agreement, dict[int, tuple]] | None = None
+        #: The in-order fast path (one sequence, nothing parked, while a backward walks the agreed order): the next
+        #: parameter of the order (ZeRO-1/2: the next one this rank's backward reaches). When its hook fires
+        #: (ZeRO-3: a last one, at a clock ``>= wake_at``, its due), the caller may hand it over itself, as
+        #: ``FIRED`` with its own hook arguments, instead of calling :meth:`hook`, and must then take
+        #: ``expected, zeros = successors[id(param)]`` and hand over ``zeros`` (ZeRO-3: ``expected, wake_at =
+        #: ...``), as :func:`carry_out` does; any other hook goes to :meth:`hook`. An identity test and a dict
+        #: lookup per hook, where a call costs microseconds between autograd's kernels (issue 26).
+        self.expected: Any = None
+        self.successors: dict[int, tuple[Any, Any]] = {}
 
     def begin_backward(self) -> None:
         """A new backward (not a nested one): forget what one that never reached its epilogue left."""
-        self._agreement = self._walk = self._fired = None
+        self._agreement = self._walk = self._fired = self.expected = None
         self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
 
     # Over the complexity limit on purpose: the walk's hand-over is inlined here, the one call per gradient hook
@@ -295,6 +337,8 @@ class Planner:
             return [(param, args, FIRED)]
         sequence, position = slot
         fired = walk.fired
+        if self.expected is not None:
+            self._caught_up(walk)
         if self.phase is Phase.HOLDING:
             fired[id(param)] = args
             return []
@@ -330,7 +374,23 @@ class Planner:
         walk.next[sequence] = k
         if due is not None and sequence == 0:
             self.wake_at = due[k] if k < len(due) else NEVER
+        self._expect_next(walk, reached)
         return handovers
+
+    def _expect_next(self, walk: _Walk, reached: list[bool] | None) -> None:
+        """Offer the fast path (``expected``) where the walk now stands, if it can be taken there."""
+        order, k = walk.order, walk.next[0]
+        if walk.fired or len(order.sequences) != 1 or k >= len(order.sequences[0]):
+            return
+        if order.due is None and (reached is None or not reached[k]):
+            return
+        self.successors = order.successors(None if order.due is not None else reached)
+        self.expected = order.sequences[0][k]
+
+    def _caught_up(self, walk: _Walk) -> None:
+        """Where the fast path left the walk: every parameter before ``expected`` is handed over."""
+        expected, self.expected = self.expected, None
+        walk.next[0] = expected.k if type(expected) is _At else walk.order.slot[id(expected)][1]
 
     def boundary(self, clock: int, task: int) -> list[Handover]:
         """ZeRO-3: the backward (task ``task``) enters a module, ``clock`` modules after its forward began, and
@@ -344,8 +404,11 @@ class Planner:
         walk = self._walk_of(task)
         if self.phase is Phase.HOLDING:
             return []
+        if self.expected is not None:
+            self._caught_up(walk)
         handovers = walk.hand_over(0, clock=clock)
         self.wake_at = walk.wake_at()
+        self._expect_next(walk, None)
         return handovers
 
     def left_order(self) -> None:
@@ -353,6 +416,8 @@ class Planner:
         the rest of a backward in progress goes at its epilogue, and the next backward agrees again."""
         self.order = None
         if self._walk is not None:
+            if self.expected is not None:
+                self._caught_up(self._walk)
             self._set_phase(Phase.HOLDING)
         elif self.phase is Phase.ORDERED:
             self._set_phase(Phase.UNAGREED)
@@ -368,6 +433,8 @@ class Planner:
         arguments, in parameter order (the order held parameters go in). Then call :meth:`settle_order`."""
         walk, self._walk = self._walk, None
         if walk is not None:
+            if self.expected is not None:
+                self._caught_up(walk)
             handovers = []
             for sequence in range(len(walk.order.sequences)):
                 handovers += walk.hand_over(sequence, finish=True)
@@ -438,3 +505,15 @@ class Planner:
         # From the next backward on, agree again: the outer graph no longer shows what a rank reaches.
         self.nested, self.order = True, None
         self.backend.nested_backward()
+
+
+def carry_out(planner: Planner, param: Any, args: tuple, task: int, clock: int | None = None) -> list[Handover]:
+    """What a hook hands over, fast path included: the protocol the stage mixins inline (``Planner.expected``)."""
+    if param is planner.expected:
+        if clock is None:
+            planner.expected, zeros = planner.successors[id(param)]
+            return [(param, args, FIRED), *zeros]
+        if clock >= planner.wake_at:
+            planner.expected, planner.wake_at = planner.successors[id(param)]
+            return [(param, args, FIRED)]
+    return planner.hook(param, args, task, clock)

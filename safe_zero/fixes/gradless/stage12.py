@@ -51,10 +51,19 @@ class ReduceInOneOrderStage12(PlannerAdapter):
 
     @overrides
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
-        # Runs per parameter per step: attribute tests, and one planner call where the hooks reduce.
+        # Runs per parameter per step: while a backward walks the agreed order, an identity test and a dict lookup
+        # for the parameter the walk expects next; a planner call for any other.
         planner = self._safe_zero_planner
         if planner is None:
             super().process_gradients(param, i)
+            return
+        if param is planner.expected:  # planner.carry_out, inlined: the next parameter of the agreed order
+            planner.expected, zeros = planner.successors[id(param)]
+            if param.grad is None:
+                self._zero_fill(param, WHY[FIRED])
+            super().process_gradients(param, i)
+            if zeros:  # the ones after it this rank's backward does not reach
+                self._carry_out(zeros)
             return
         # The conditions of stock process_gradients / reduce_ready_partitions_and_remove_grads: else the hooks only
         # accumulate (or DeepSpeed's coalesce_grad_reduction defers them itself). Outside a backward (that flush)

@@ -66,9 +66,20 @@ class ReduceInOneOrderStage3(PlannerAdapter):
 
     @overrides
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
-        # Runs per parameter per step: attribute tests, and one planner call where the hooks reduce.
+        # Runs per parameter per step: while a backward walks the agreed order, an identity test, a clock test and a
+        # dict lookup for the parameter the walk expects next; a planner call for any other.
         planner = self._safe_zero_planner
         if planner is None:
+            super().reduce_ready_partitions_and_remove_grads(param, *args)
+            return
+        # planner.carry_out, inlined: the next parameter of the agreed order, its last hook of this backward, due
+        # (on the module clock: a stock coordinator has none, and the planner's hook decides).
+        clock = self._safe_zero_clock
+        if param is planner.expected and clock is not None and clock.position >= planner.wake_at \
+                and getattr(param, "ds_grad_is_ready", True):
+            planner.expected, planner.wake_at = planner.successors[id(param)]
+            if param.grad is None:
+                self._zero_fill(param, WHY[FIRED])
             super().reduce_ready_partitions_and_remove_grads(param, *args)
             return
         # DeepSpeed's coalesce_grad_reduction flush calls this outside any backward: no graph to ask there, and
@@ -76,7 +87,6 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         if planner.routes and not getattr(self, "_coalesce_grad_reduction", False):
             task = torch._C._current_graph_task_id()
             if task != -1:
-                clock = self._safe_zero_clock
                 # ds_grad_is_ready False (tiled compute): one of several hooks of this parameter in this backward;
                 # DeepSpeed buckets only the last one, so that one is what keeps its place in the order.
                 for param, args, reason in planner.hook(param, args, task, None if clock is None else clock.position,
