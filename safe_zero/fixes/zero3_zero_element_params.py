@@ -264,6 +264,11 @@ class SafeGatheredTensor(GuardEmptyGatheredTensor, zero_to_fp32.GatheredTensor):
     """``zero_to_fp32``'s lazy merged parameter with the zero-element guard."""
 
 
+#: DeepSpeed's own, bound at import: the function below stands in for it inside Lightning's converter
+#: (``safe_zero.lightning.convert_zero_checkpoint_to_fp32_state_dict``).
+_STOCK_FP32_STATE_DICT = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint
+
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None, *args: Any,
                                              **kwargs: Any) -> dict[str, torch.Tensor]:
     """``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (same arguments) that
@@ -276,7 +281,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     with its shape, and it has no values to lose.
     """
     with swapped(zero_to_fp32, "GatheredTensor", SafeGatheredTensor):
-        state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, *args, **kwargs)
+        state = _STOCK_FP32_STATE_DICT(checkpoint_dir, tag, *args, **kwargs)
     for name, shape in _zero_element_module_params(checkpoint_dir, tag).items():
         state.setdefault(name, torch.empty(shape, dtype=torch.float32))
     return state

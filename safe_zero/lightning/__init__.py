@@ -12,6 +12,9 @@ Classes (importing them imports Lightning):
     SafeFabricDeepSpeedStrategy   ``lightning.fabric``'s ``DeepSpeedStrategy`` through safe_zero.
 The standalone packages' twins: ``safe_zero.lightning.pytorch_lightning.SafeDeepSpeedStrategy`` and
 ``safe_zero.lightning.lightning_fabric.SafeFabricDeepSpeedStrategy``.
+
+Functions:
+    convert_zero_checkpoint_to_fp32_state_dict   Lightning's converter, zero-element parameters included.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ _LAZY = {
     "SAFE_PREFIX": "safe_zero.lightning._common",
     "PrecisionFallbackWarning": "safe_zero.lightning._common",
     "SafeLightningError": "safe_zero.lightning._common",
+    "convert_zero_checkpoint_to_fp32_state_dict": "safe_zero.lightning.checkpoint",
 }
 
 
@@ -37,4 +41,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["SAFE_PREFIX", "PrecisionFallbackWarning", "SafeDeepSpeedStrategy", "SafeFabricDeepSpeedStrategy",
-           "SafeLightningError"]
+           "SafeLightningError", "convert_zero_checkpoint_to_fp32_state_dict"]

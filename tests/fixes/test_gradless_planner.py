@@ -342,12 +342,33 @@ def _random_zero12_scripts(seed: int, ranks: int, steps: int, params: list[str])
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_zero12_the_in_order_fast_path_hands_over_exactly_what_the_planner_alone_does(seed):
+def test_zero12_the_in_order_fast_path_hands_over_what_the_planner_alone_does(seed):
+    """The same sequence; each at the same hook but where a parameter fired ahead of its turn waits (parked): the
+    fast path stops there and it goes at the next hook the planner takes, or at the epilogue."""
     params = [f"p{k}" for k in range(9)]
     scripts = _random_zero12_scripts(seed, 2 + seed % 2, 5, params)
     fast, slow = replay(scripts, params, fast=True), replay(scripts, params, fast=False)
     check(fast, scripts)
-    assert [r.events for r in fast] == [r.events for r in slow], "each hand-over at the same hook"
+    assert [r.handed for r in fast] == [r.handed for r in slow]
+    for f, s in zip(fast, slow):
+        if all(len(sequence(s, step)) == len(handed_at_hook(s, step)) for step in range(len(s.reasons))):
+            assert f.events == s.events, "nothing parked: each hand-over at the same hook"
+
+
+def test_zero12_the_fast_path_runs_past_parameters_a_rank_fires_ahead_of_the_order(monkeypatch):
+    """Rank 1 uses ``a`` and ``b``, which rank 0 never does (they end the agreed order): its hooks for them fire
+    first and park; its other hooks still go by the fast path, and ``a``, ``b`` go at the epilogue, in order."""
+    calls: dict[int, list[str]] = {}
+    hook = Planner.hook
+    monkeypatch.setattr(Planner, "hook", lambda self, param, *args:
+                        calls.setdefault(id(self), []).append(param) or hook(self, param, *args))
+    scripts = [[["f", "e", "d", "c"]] * 3, [["b", "a", "f", "e", "d", "c"]] * 3]
+    replays = replay(scripts, P6)
+    check(replays, scripts)
+    assert sequence(replays[1], 2) == ["f", "e", "d", "c", "a", "b"]
+    assert calls[id(replays[0].planner)] == ["f", "e", "d", "c", "f", "f"], "each later backward's first hook"
+    assert calls[id(replays[1].planner)] == ["b", "a", "f", "e", "d", "c", "b", "a", "b", "a"], \
+        "after the agreeing backward, only the hooks that fire ahead of the order"
 
 
 def test_zero12_in_order_hooks_after_the_first_backward_call_the_planner_once_per_backward(monkeypatch):

@@ -100,31 +100,51 @@ class _CaptureAtStart(pl.Callback):
         self.state = full_state(module)
 
 
-def convert_to_fp32(ckpt: str, out: str) -> None:
-    """Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``. Before Lightning 2.6 it loads DeepSpeed's files with
-    ``torch.load``'s default, which torch 2.6 made ``weights_only=True``: torch's own switch restores the old default
-    for the call (a Lightning x torch matter; the strategy itself saves and loads through DeepSpeed)."""
+def convert_to_fp32(ckpt: str, out: str, stock: bool = False) -> None:
+    """``safe_zero.lightning.convert_zero_checkpoint_to_fp32_state_dict`` (``stock``: Lightning's own). Before Lightning
+    2.6 the converter loads DeepSpeed's files with ``torch.load``'s default, which torch 2.6 made
+    ``weights_only=True``: torch's own switch restores the old default for the call (a Lightning x torch matter; the
+    strategy itself saves and loads through DeepSpeed)."""
     from lightning import __version__
-    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+    from lightning.pytorch.utilities import deepspeed as lightning_deepspeed
     from packaging.version import Version
 
+    from safe_zero.lightning import convert_zero_checkpoint_to_fp32_state_dict
+
+    convert = lightning_deepspeed.convert_zero_checkpoint_to_fp32_state_dict if stock else \
+        convert_zero_checkpoint_to_fp32_state_dict
     old_default = Version(__version__) < Version("2.6")
     with mock.patch.dict(os.environ, {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"} if old_default else {}):
-        convert_zero_checkpoint_to_fp32_state_dict(ckpt, out)
+        convert(ckpt, out)
 
 
 def loads_strictly(module: nn.Module, converted: str) -> bool:
-    """Whether the converted fp32 state dict loads into ``module`` with every key matched -- but the zero-element
-    parameters where safe_zero keeps them out of the flat groups (``zero_element_groups``, DeepSpeed < 0.19.8):
-    DeepSpeed's ``zero_to_fp32``, which Lightning's converter calls, leaves those out (README, Checkpoints;
-    ``safe_zero.get_fp32_state_dict_from_zero_checkpoint`` puts them back)."""
-    from safe_zero._compat import DEEPSPEED_VERSION
-    from safe_zero.fixes import zero_element_groups
-
+    """Whether the converted fp32 state dict loads into ``module`` with every key matched."""
     result = module.load_state_dict(torch.load(converted, weights_only=False)["state_dict"], strict=False)
-    left_out = ({n for n, p in module.named_parameters() if p.numel() == 0}
-                if zero_element_groups.FIX.needed(DEEPSPEED_VERSION) else set())
-    return not result.unexpected_keys and set(result.missing_keys) <= left_out
+    return not result.unexpected_keys and not result.missing_keys
+
+
+def stage1_converted(tmp: str) -> dict[str, Any]:
+    """Fit with ``safe_deepspeed_stage_1``, save, convert with Lightning's converter and with safe_zero's: the keys
+    each leaves out, the shapes safe_zero's gives."""
+    model = build(seed=0)
+    trainer = _trainer("safe_deepspeed_stage_1", 1, STEPS)
+    trainer.fit(model, data(1))
+    ckpt = os.path.join(tmp, "stage1.ckpt")
+    trainer.save_checkpoint(ckpt)
+    result: dict[str, Any] = {}
+    for name, stock in (("lightning", True), ("safe_zero", False)):
+        out = os.path.join(tmp, f"stage1.{name}.pt")
+        try:
+            convert_to_fp32(ckpt, out, stock=stock)
+        except Exception as error:  # noqa: BLE001  (DeepSpeed 0.18.3's zero_to_fp32 fails on a zero-element one)
+            result[name] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        state = torch.load(out, weights_only=False)["state_dict"]
+        fresh = Module()
+        missing = fresh.load_state_dict(state, strict=False).missing_keys
+        result[name] = {"missing": sorted(missing), "shapes": {k: list(v.shape) for k, v in state.items()}}
+    return result
 
 
 def trainer_fits(strategy: str, devices: int, tmp: str) -> dict[str, Any]:

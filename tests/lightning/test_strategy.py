@@ -75,6 +75,16 @@ def test_trainer_fits_resumes_and_converts_on_one_cpu(ranks, tmp_path, stage):
     _check_trainer(r, stage=stage, world_size=1)
 
 
+def test_the_converter_keeps_zero_element_parameters_lightnings_leaves_out(ranks, tmp_path):
+    """ZeRO-1: DeepSpeed's zero_to_fp32, which Lightning's converter calls, leaves the zero-element layer out (or,
+    on DeepSpeed 0.18.3, fails on it); safe_zero's converter gives every parameter with its shape."""
+    (r,) = ranks.run(1, cases.stage1_converted, tmp=str(tmp_path))
+    stock = r["lightning"]
+    assert "error" in stock or stock["missing"] == ["core.empty.weight"], stock
+    assert r["safe_zero"].get("missing") == [], r["safe_zero"]
+    assert r["safe_zero"]["shapes"]["core.empty.weight"] == [0, 8]
+
+
 def test_fabric_fits_saves_loads_and_converts_on_one_cpu(ranks, tmp_path):
     (r,) = ranks.run(1, cases.fabric_fits, strategy="safe_deepspeed_stage_3", devices=1, tmp=str(tmp_path))
     _check_fabric(r, world_size=1)

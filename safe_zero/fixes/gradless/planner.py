@@ -296,10 +296,10 @@ class Planner:
         self._walk: _Walk | None = None
         self._fired: set[int] | None = None  # Mode.STRICT: the parameters whose hook fired in this backward
         self._settling: tuple[_Agreement, dict[int, tuple]] | None = None
-        #: The in-order fast path (one sequence, nothing parked, while a backward walks the agreed order): the next
-        #: parameter of the order (ZeRO-1/2: the next one this rank's backward reaches). When its hook fires
-        #: (ZeRO-3: a last one, at a clock ``>= wake_at``, its due), the caller may hand it over itself, as
-        #: ``FIRED`` with its own hook arguments, instead of calling :meth:`hook`, and must then take
+        #: The in-order fast path (one sequence, while a backward walks the agreed order; :meth:`_expect_next` says
+        #: where): the next parameter of the order (ZeRO-1/2: the next one this rank's backward reaches). When its
+        #: hook fires (ZeRO-3: a last one, at a clock ``>= wake_at``, its due), the caller may hand it over itself,
+        #: as ``FIRED`` with its own hook arguments, instead of calling :meth:`hook`, and must then take
         #: ``expected, zeros = successors[id(param)]`` and hand over ``zeros`` (ZeRO-3: ``expected, wake_at =
         #: ...``), as :func:`carry_out` does; any other hook goes to :meth:`hook`. An identity test and a dict
         #: lookup per hook, where a call costs microseconds between autograd's kernels (issue 26).
@@ -378,9 +378,14 @@ class Planner:
         return handovers
 
     def _expect_next(self, walk: _Walk, reached: list[bool] | None) -> None:
-        """Offer the fast path (``expected``) where the walk now stands, if it can be taken there."""
+        """Offer the fast path (``expected``) where the walk now stands, if it can be taken there.
+
+        On ZeRO-1/2 also while parameters are parked (fired ahead of their turn, as on a rank that uses what rank 0
+        did not): the fast path then stops at the first of them, which goes at the next hook that is not expected,
+        or at the epilogue -- later, in the same order, which is all the buckets need there. ZeRO-3 hands over
+        between module gathers at the clock the order says, so there the fast path waits until nothing is parked."""
         order, k = walk.order, walk.next[0]
-        if walk.fired or len(order.sequences) != 1 or k >= len(order.sequences[0]):
+        if len(order.sequences) != 1 or k >= len(order.sequences[0]) or walk.fired and order.due is not None:
             return
         if order.due is None and (reached is None or not reached[k]):
             return
