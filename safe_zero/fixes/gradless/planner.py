@@ -142,7 +142,8 @@ class ReductionOrder:
         parameter a backward that reaches ``reached`` (aligned with the sequence) reaches: the next one it reaches,
         and the hand-overs of the ones it does not reach in between (zeros, in their turn). ZeRO-3 (``due``,
         ``reached`` None): the next parameter and its due clock. Built once per distinct ``reached``, in one pass."""
-        if self._successors is None or self._successors[0] != reached:
+        cached = self._successors
+        if cached is None or cached[0] is not reached and cached[0] != reached:
             params, end = self.sequences[0], _At(len(self.sequences[0]))
             if self.due is not None:
                 after = dict(zip(map(id, params), zip(params[1:] + [end], self.due[0][1:] + [NEVER])))
@@ -338,7 +339,11 @@ class Planner:
         sequence, position = slot
         fired = walk.fired
         if self.expected is not None:
-            self._caught_up(walk)
+            at = self._fast_path_at(walk)
+            if clock is None and position > at:  # ZeRO-1/2, ahead of its turn: parked, the fast path stays on
+                fired[id(param)] = args
+                return []
+            walk.next[0], self.expected = at, None
         if self.phase is Phase.HOLDING:
             fired[id(param)] = args
             return []
@@ -392,10 +397,13 @@ class Planner:
         self.successors = order.successors(None if order.due is not None else reached)
         self.expected = order.sequences[0][k]
 
-    def _caught_up(self, walk: _Walk) -> None:
+    def _fast_path_at(self, walk: _Walk) -> int:
         """Where the fast path left the walk: every parameter before ``expected`` is handed over."""
-        expected, self.expected = self.expected, None
-        walk.next[0] = expected.k if type(expected) is _At else walk.order.slot[id(expected)][1]
+        expected = self.expected
+        return expected.k if type(expected) is _At else walk.order.slot[id(expected)][1]
+
+    def _caught_up(self, walk: _Walk) -> None:
+        walk.next[0], self.expected = self._fast_path_at(walk), None
 
     def boundary(self, clock: int, task: int) -> list[Handover]:
         """ZeRO-3: the backward (task ``task``) enters a module, ``clock`` modules after its forward began, and
