@@ -24,7 +24,7 @@ class PlannerAdapter:
 
     A stage mixin builds its planner once, at construction (:meth:`_start_planner`), and from then on tells it
     of every backward's start, every reducing hook and the epilogue. Its hook override calls DeepSpeed's own hook
-    body (``_reduce``) for what the planner returns, with a zero gradient where the parameter has none.
+    body for what the planner returns (``_carry_out``), with a zero gradient where the parameter has none.
     """
 
     #: ``None``: the fix is off for this optimizer's session, and every override passes through.
@@ -57,8 +57,9 @@ class PlannerAdapter:
     def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
         raise NotImplementedError
 
-    def _reduce(self, param: torch.nn.Parameter, *args: Any) -> None:
-        """DeepSpeed's hook body for ``param``."""
+    def _carry_out(self, handovers: Iterable[Handover]) -> None:
+        """DeepSpeed's hook body for each of ``handovers``, in order, with zeros where the parameter has no
+        gradient (each stage calls its stock method directly: this runs for every zero and every parked hook)."""
         raise NotImplementedError
 
     def _walkable(self) -> bool:
@@ -113,12 +114,6 @@ class PlannerAdapter:
             self._safe_zero_held_reported = True
         self._carry_out(handovers)
         planner.settle_order(self._walkable())
-
-    def _carry_out(self, handovers: list[Handover]) -> None:
-        for param, args, reason in handovers:
-            if param.grad is None:
-                self._zero_fill(param, WHY[reason])
-            self._reduce(param, *args)
 
     def _unused_message(self, missed: list[torch.nn.Parameter]) -> str:
         names = getattr(self, "param_names", {}) or {}

@@ -9,7 +9,7 @@ from deepspeed import comm as dist
 
 from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, PlannerAdapter
 from safe_zero.fixes.gradless.collectives import zero_grad_for
-from safe_zero.fixes.gradless.planner import FIRED
+from safe_zero.fixes.gradless.planner import FIRED, Handover
 from safe_zero.patching import overrides
 
 
@@ -46,8 +46,11 @@ class ReduceInOneOrderStage12(PlannerAdapter):
         boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
         return bool(boundary() if callable(boundary) else boundary)
 
-    def _reduce(self, param: torch.nn.Parameter, i: int) -> None:
-        super().process_gradients(param, i)
+    def _carry_out(self, handovers: Iterable[Handover]) -> None:
+        for param, args, reason in handovers:
+            if param.grad is None:
+                self._zero_fill(param, WHY[reason])
+            super().process_gradients(param, *args)
 
     @overrides
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
@@ -72,10 +75,7 @@ class ReduceInOneOrderStage12(PlannerAdapter):
                 and (self.partition_gradients or self.overlap_comm and self._at_accumulation_boundary()):
             task = torch._C._current_graph_task_id()
             if task != -1:
-                for param, args, reason in planner.hook(param, (i,), task):
-                    if param.grad is None:
-                        self._zero_fill(param, WHY[reason])
-                    super().process_gradients(param, *args)
+                self._carry_out(planner.hook(param, (i,), task))
                 return
         if param.grad is None:
             self._zero_fill(param, WHY[FIRED])

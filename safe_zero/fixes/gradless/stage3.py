@@ -13,7 +13,7 @@ from deepspeed.utils import z3_leaf_parameter
 from safe_zero.fixes.gradless.adapter import WHY, PlannerAdapter
 from safe_zero.fixes.gradless.collectives import zero_grad_for
 from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording, ModuleClock
-from safe_zero.fixes.gradless.planner import FIRED, Mode
+from safe_zero.fixes.gradless.planner import FIRED, Handover, Mode
 from safe_zero.patching import overrides
 
 
@@ -56,8 +56,11 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         # The parameter may already be re-partitioned here: size the gradient from ds_shape.
         zero_grad_for(self, param, param.ds_shape, get_accelerator().current_device_name(), why)
 
-    def _reduce(self, param: torch.nn.Parameter, *args: Any) -> None:
-        super().reduce_ready_partitions_and_remove_grads(param, *args)
+    def _carry_out(self, handovers: Iterable[Handover]) -> None:
+        for param, args, reason in handovers:
+            if param.grad is None:
+                self._zero_fill(param, WHY[reason])
+            super().reduce_ready_partitions_and_remove_grads(param, *args)
 
     def _at_module_boundary(self, clock: int, task: int) -> None:
         """Called by the module clock where the backward enters a module and the planner may hand over there."""
@@ -89,11 +92,8 @@ class ReduceInOneOrderStage3(PlannerAdapter):
             if task != -1:
                 # ds_grad_is_ready False (tiled compute): one of several hooks of this parameter in this backward;
                 # DeepSpeed buckets only the last one, so that one is what keeps its place in the order.
-                for param, args, reason in planner.hook(param, args, task, None if clock is None else clock.position,
-                                                        getattr(param, "ds_grad_is_ready", True)):
-                    if param.grad is None:
-                        self._zero_fill(param, WHY[reason])
-                    super().reduce_ready_partitions_and_remove_grads(param, *args)
+                self._carry_out(planner.hook(param, args, task, None if clock is None else clock.position,
+                                             getattr(param, "ds_grad_is_ready", True)))
                 return
         if param.grad is None:
             self._zero_fill(param, WHY[FIRED])
