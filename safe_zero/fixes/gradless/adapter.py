@@ -3,7 +3,7 @@ and carry out the hand-overs it returns (docs/rank_agreement.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -57,9 +57,8 @@ class PlannerAdapter:
     def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
         raise NotImplementedError
 
-    def _carry_out(self, handovers: Iterable[Handover]) -> None:
-        """DeepSpeed's hook body for each of ``handovers``, in order, with zeros where the parameter has no
-        gradient (each stage calls its stock method directly: this runs for every zero and every parked hook)."""
+    def _stock_hook(self) -> Callable[..., None]:
+        """DeepSpeed's hook body, bound: called with a parameter and its hook arguments."""
         raise NotImplementedError
 
     def _walkable(self) -> bool:
@@ -114,6 +113,15 @@ class PlannerAdapter:
             self._safe_zero_held_reported = True
         self._carry_out(handovers)
         planner.settle_order(self._walkable())
+
+    def _carry_out(self, handovers: Iterable[Handover]) -> None:
+        """DeepSpeed's hook body for each of ``handovers``, in order, with zeros where the parameter has no gradient
+        (the stock method looked up once per call: this runs for every zero and every parked hook)."""
+        stock = self._stock_hook()
+        for param, args, reason in handovers:
+            if param.grad is None:
+                self._zero_fill(param, WHY[reason])
+            stock(param, *args)
 
     def _unused_message(self, missed: list[torch.nn.Parameter]) -> str:
         names = getattr(self, "param_names", {}) or {}

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from deepspeed import comm as dist
 
 from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, PlannerAdapter
 from safe_zero.fixes.gradless.collectives import zero_grad_for
-from safe_zero.fixes.gradless.planner import FIRED, Handover
+from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
 
 
@@ -46,11 +46,8 @@ class ReduceInOneOrderStage12(PlannerAdapter):
         boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
         return bool(boundary() if callable(boundary) else boundary)
 
-    def _carry_out(self, handovers: Iterable[Handover]) -> None:
-        for param, args, reason in handovers:
-            if param.grad is None:
-                self._zero_fill(param, WHY[reason])
-            super().process_gradients(param, *args)
+    def _stock_hook(self) -> Callable[..., None]:
+        return super().process_gradients
 
     @overrides
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:

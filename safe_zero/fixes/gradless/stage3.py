@@ -3,7 +3,7 @@ clock (docs/rank_agreement.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from deepspeed import comm as dist
@@ -13,7 +13,7 @@ from deepspeed.utils import z3_leaf_parameter
 from safe_zero.fixes.gradless.adapter import WHY, PlannerAdapter
 from safe_zero.fixes.gradless.collectives import zero_grad_for
 from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording, ModuleClock
-from safe_zero.fixes.gradless.planner import FIRED, Handover, Mode
+from safe_zero.fixes.gradless.planner import FIRED, Mode
 from safe_zero.patching import overrides
 
 
@@ -56,11 +56,8 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         # The parameter may already be re-partitioned here: size the gradient from ds_shape.
         zero_grad_for(self, param, param.ds_shape, get_accelerator().current_device_name(), why)
 
-    def _carry_out(self, handovers: Iterable[Handover]) -> None:
-        for param, args, reason in handovers:
-            if param.grad is None:
-                self._zero_fill(param, WHY[reason])
-            super().reduce_ready_partitions_and_remove_grads(param, *args)
+    def _stock_hook(self) -> Callable[..., None]:
+        return super().reduce_ready_partitions_and_remove_grads
 
     def _at_module_boundary(self, clock: int, task: int) -> None:
         """Called by the module clock where the backward enters a module and the planner may hand over there."""
