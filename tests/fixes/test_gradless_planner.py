@@ -2,7 +2,7 @@
 
 The first backward's hooks must fire in one relative order on the ranks that reach the same parameters (stock
 DeepSpeed needs that too; what they reach may differ): the agreement hands those over as they fire. From the second
-backward on, any order: the ranks walk rank 0's first one.
+backward on, any order: the ranks walk one order merged from every rank's first one.
 
 Each rank runs in a thread with a fake :class:`Backend` whose collectives meet the other ranks' (a rank left in a
 collective the others never make fails the replay, as a hang would). Every replay checks what the real ranks need
@@ -108,8 +108,8 @@ class Ranks:
     def all_reduce_min(self, group: Any, flags: list[bool]) -> Flight:
         return Flight(self.world, self._post("all_reduce", [int(f) for f in flags]), self.late)
 
-    def broadcast_from_first(self, group: Any, rows: list[list[int]]) -> list[list[int]]:
-        return self.world.values(self._post("broadcast", rows))[0]
+    def all_gather(self, group: Any, row: list[int]) -> list[list[int]]:
+        return self.world.values(self._post("all_gather", row))
 
     def nested_backward(self) -> None:
         self.nested_warnings += 1
@@ -265,7 +265,7 @@ def test_zero12_hooks_in_other_orders_on_each_rank_and_each_step(late):
     replays = replay(scripts, P4, late=late)
     check(replays, scripts)
     assert sequence(replays[0], 1) == ["d", "c", "b", "a"], "from the second backward on: rank 0's first hook order"
-    assert [r.backend.collectives for r in replays] == [["all_reduce", "broadcast"]] * 2, "nothing after the first"
+    assert [r.backend.collectives for r in replays] == [["all_reduce", "all_gather"]] * 2, "nothing after the first"
 
 
 def test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires():
@@ -355,20 +355,84 @@ def test_zero12_the_in_order_fast_path_hands_over_what_the_planner_alone_does(se
             assert f.events == s.events, "nothing parked: each hand-over at the same hook"
 
 
-def test_zero12_the_fast_path_runs_past_parameters_a_rank_fires_ahead_of_the_order(monkeypatch):
-    """Rank 1 uses ``a`` and ``b``, which rank 0 never does (they end the agreed order): its hooks for them fire
-    first and park; its other hooks still go by the fast path, and ``a``, ``b`` go at the epilogue, in order."""
+def _count_hooks(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[str]]:
+    """Per planner (by ``id``), the parameters whose hook went to ``Planner.hook`` (not the fast path)."""
     calls: dict[int, list[str]] = {}
     hook = Planner.hook
     monkeypatch.setattr(Planner, "hook", lambda self, param, *args:
                         calls.setdefault(id(self), []).append(param) or hook(self, param, *args))
+    return calls
+
+
+def test_zero12_what_only_one_rank_reached_in_the_agreeing_backward_keeps_its_place_in_the_order(monkeypatch):
+    """Rank 1 uses ``a`` and ``b`` before the others, rank 0 never does: the agreed order merges both ranks'
+    hook orders, so each walks it in order, and after the agreeing backward each calls the planner once per
+    backward (its first hook), parking nothing."""
+    calls = _count_hooks(monkeypatch)
     scripts = [[["f", "e", "d", "c"]] * 3, [["b", "a", "f", "e", "d", "c"]] * 3]
     replays = replay(scripts, P6)
     check(replays, scripts)
-    assert sequence(replays[1], 2) == ["f", "e", "d", "c", "a", "b"]
+    assert sequence(replays[0], 1) == sequence(replays[1], 2) == ["b", "a", "f", "e", "d", "c"]
+    assert calls[id(replays[0].planner)] == ["f", "e", "d", "c", "f", "f"]
+    assert calls[id(replays[1].planner)] == ["b", "a", "f", "e", "d", "c", "b", "b"]
+    for r in replays:
+        assert r.backend.collectives == ["all_reduce", "all_gather"], "nothing after the first backward"
+
+
+def test_zero12_the_fast_path_runs_past_parameters_a_rank_fires_ahead_of_the_order(monkeypatch):
+    """From the second backward rank 1 also uses ``a`` and ``b``, which no rank reached in the agreeing one (the
+    order has them last, by parameter index): its hooks for them fire first and park; its other hooks still go by
+    the fast path, and ``a``, ``b`` go at the epilogue, in order."""
+    calls = _count_hooks(monkeypatch)
+    scripts = [[["f", "e", "d", "c"]] * 3, [["f", "e", "d", "c"]] + [["b", "a", "f", "e", "d", "c"]] * 2]
+    replays = replay(scripts, P6)
+    check(replays, scripts)
+    assert sequence(replays[1], 2) == ["f", "e", "d", "c", "b", "a"]
     assert calls[id(replays[0].planner)] == ["f", "e", "d", "c", "f", "f"], "each later backward's first hook"
-    assert calls[id(replays[1].planner)] == ["b", "a", "f", "e", "d", "c", "b", "a", "b", "a"], \
+    assert calls[id(replays[1].planner)] == ["f", "e", "d", "c", "b", "a", "b", "a"], \
         "after the agreeing backward, only the hooks that fire ahead of the order"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_merged_order_keeps_every_ranks_order_where_they_agree(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 40)
+    truth = rng.sample(range(n), n)
+    arrivals = [[k for k in truth if rng.random() < 0.5] for _ in range(rng.randrange(1, 4))]
+    merged = planning.merge_orders(arrivals, n, key=lambda k: -k)
+    assert sorted(merged) == list(range(n))
+    for order in arrivals:
+        assert [k for k in merged if k in order] == order
+    assert merged == planning.merge_orders([list(a) for a in arrivals], n, key=lambda k: -k), "deterministic"
+
+
+def test_merged_order_takes_the_lowest_key_where_the_ranks_leave_a_choice_or_contradict_each_other():
+    assert planning.merge_orders([[5, 2, 0], [3, 2, 1]], 6, key=lambda k: -k) == [5, 4, 3, 2, 1, 0]
+    assert planning.merge_orders([[0, 1, 2], [2, 1, 0]], 3, key=lambda k: -k) == [2, 1, 0], \
+        "a contradiction: the lowest key among what is left, each time"
+    assert planning.merge_orders([[1, 3]], 4, key=lambda k: (0 if k == 1 else 1, k)) == [1, 0, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_zero12_ranks_that_reach_other_parameters_walk_the_merged_order_without_parking(seed, monkeypatch):
+    """Rank-dependent routing: each rank reaches another subset of one backward order, every step. Where a later
+    backward reaches only what some rank reached in the agreeing one, every hook is handed over at that hook, and
+    each rank calls the planner once per later backward."""
+    calls = _count_hooks(monkeypatch)
+    rng = random.Random(seed)
+    params = [f"p{k}" for k in range(12)]
+    ranks, steps = 2 + seed % 2, 4
+    scripts = [[[p for p in reversed(params) if rng.random() < 0.6] for _ in range(steps)] for _ in range(ranks)]
+    seen = {p for rank in scripts for p in rank[0]}
+    for rank in scripts:
+        rank[1:] = [[p for p in events if p in seen] for events in rank[1:]]
+    replays = replay(scripts, params)
+    check(replays, scripts)
+    for rank, r in enumerate(replays):
+        for step in range(1, steps):
+            assert handed_at_hook(r, step) == scripts[rank][step], (rank, step)
+        assert len(calls.get(id(r.planner), [])) == len(scripts[rank][0]) + sum(
+            1 for events in scripts[rank][1:] if events), "after the agreeing backward: once per backward"
 
 
 def test_zero12_in_order_hooks_after_the_first_backward_call_the_planner_once_per_backward(monkeypatch):
@@ -402,7 +466,7 @@ def test_zero3_hooks_in_other_orders_inside_each_module():
                [["m", "f", "e", "m", "d", "c", "m", "b", "a"], ["m", "f", "e", "m", "c", "d", "m", "b", "a"]] * 2]
     replays = replay(scripts, P6, zero3=True)
     check(replays, scripts)
-    assert [r.backend.collectives for r in replays] == [["all_reduce", "broadcast"]] * 2
+    assert [r.backend.collectives for r in replays] == [["all_reduce", "all_gather"]] * 2
 
 
 def test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather():
@@ -417,13 +481,26 @@ def test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before
                          ("reduce", "c", 5), ("gather", 5)]
 
 
-def test_zero3_a_parameter_rank_0_did_not_reach_first_goes_at_the_epilogue():
-    """``shift-later``: rank 0 skips ``d`` in the first backward, so the order has it at the epilogue."""
+def test_zero3_a_parameter_only_one_rank_reached_first_is_due_where_that_ranks_hook_fired():
+    """Rank 0 skips ``d`` in the agreeing backward, rank 1 does not: the order has ``d`` in rank 1's place, due at
+    rank 1's clock, so from then on both ranks hand it over before the next module's gathers."""
     dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
     scripts = [[["m", "f", "e", "m", "c", "m", "b", "a"], dense, dense], [dense, dense, dense]]
     replays = replay(scripts, P6, zero3=True)
     check(replays, scripts)
-    assert sequence(replays[0], 1)[-1] == "d"
+    for r in replays:
+        assert r.handed[r.handed.index(("epilogue",)) + 1:][:10] == [
+            ("gather", 3), ("reduce", "f", 4), ("reduce", "e", 4), ("gather", 4), ("reduce", "d", 5),
+            ("reduce", "c", 5), ("gather", 5), ("reduce", "b", 6), ("reduce", "a", 6), ("epilogue",)]
+
+
+def test_zero3_a_parameter_no_rank_reached_first_goes_at_the_epilogue():
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    scripts = [[["m", "f", "e", "m", "c", "m", "b", "a"], dense, dense]] * 2
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts)
+    for r in replays:
+        assert sequence(r, 1) == ["f", "e", "c", "b", "a", "d"]
 
 
 @pytest.mark.parametrize("ranks_moving", [(0, 1), (1,)])
@@ -468,7 +545,7 @@ def test_zero3_every_rank_leaving_the_module_order_holds_the_rest_and_agrees_aga
         assert sequence(r, 1) == ["f", "e", "d", "c", "b", "a"]
         assert r.handed[r.handed.index(("epilogue",)) + 1:][:6] == [
             ("gather", 3), ("reduce", "f", 4), ("reduce", "e", 4), ("gather", 4), ("gather", 5), ("reduce", "d", 6)]
-        assert r.backend.collectives == ["all_reduce", "broadcast", "all_reduce", "broadcast"], \
+        assert r.backend.collectives == ["all_reduce", "all_gather", "all_reduce", "all_gather"], \
             "the step after leaving agrees again (the trace is recorded again)"
         assert r.planner.phase is Phase.ORDERED
 

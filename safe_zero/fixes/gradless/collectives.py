@@ -90,10 +90,11 @@ class DataParallelRanks:
         return _Flags(tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group, async_op=True))
 
     @staticmethod
-    def broadcast_from_first(group: Any, rows: list[list[int]]) -> list[list[int]]:
-        tensor = torch.tensor(rows, dtype=torch.int64, device=get_accelerator().current_device_name())
-        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-        return tensor.tolist()
+    def all_gather(group: Any, row: list[int]) -> list[list[int]]:
+        mine = torch.tensor(row, dtype=torch.int32, device=get_accelerator().current_device_name())
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
+        dist.all_gather(everyone, mine, group=group)
+        return [t.tolist() for t in everyone]
 
 
 def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any,

@@ -14,11 +14,12 @@ whose calls follow each rank's own autograd and need not match across ranks: tha
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterable, Protocol, Sequence
+import heapq
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from safe_zero.errors import RankDivergenceError
 
-#: The due clock of a parameter rank 0's first backward did not reach: it is handed over at the epilogue.
+#: The due clock of a parameter no rank's agreeing backward reached: it is handed over at the epilogue.
 AT_EPILOGUE = 2**62
 #: ``Planner.wake_at`` while no module boundary can make anything due.
 NEVER = 2**63
@@ -86,8 +87,8 @@ class Backend(Protocol):
     def all_reduce_min(self, group: Any, flags: list[bool]) -> InFlight:
         """Start the MIN all-reduce of one flag per parameter over ``group``."""
 
-    def broadcast_from_first(self, group: Any, rows: list[list[int]]) -> list[list[int]]:
-        """``rows`` (equal lengths) as the group's first rank has them."""
+    def all_gather(self, group: Any, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row`` (the same length on every rank; values fit in 32 bits), in group rank order."""
 
     def nested_backward(self) -> None:
         """A nested backward (reentrant checkpointing) ran inside this one: tell the user, once."""
@@ -106,7 +107,7 @@ class ReductionOrder:
     """The one order in which every rank hands DeepSpeed its trainable parameters, per data-parallel group.
 
     ``sequences[s][k]`` is the k-th parameter of group ``s``; ``args`` and ``due`` are aligned with it: the hook
-    arguments DeepSpeed registered for it, and (ZeRO-3) the module clock at which rank 0's hook fired for it.
+    arguments DeepSpeed registered for it, and (ZeRO-3) the module clock at which it is due (:meth:`agree`).
     """
 
     def __init__(self, sequences: list[list[Any]], args: list[list[tuple]], due: list[list[int]] | None) -> None:
@@ -119,22 +120,33 @@ class ReductionOrder:
     @classmethod
     def agree(cls, backend: Backend, arrived: list[Any], args: dict[int, tuple],
               clocks: dict[int, int] | None) -> ReductionOrder:
-        """Rank 0's hook order (``arrived``), the parameters it did not reach after it in parameter order, and on
-        ZeRO-3 the module clock of each hook: one broadcast per group, on every rank."""
+        """Every rank's hook order of the agreeing backward (this rank's: ``arrived``) and, on ZeRO-3, the module
+        clock of each hook (``clocks``), one all-gather per group on every rank, merged into one order
+        (:func:`merge_orders`) that keeps each rank's: a rank that uses what another did not still walks it in
+        order. A parameter's due clock is the earliest at which a rank's hook fired for it (:data:`AT_EPILOGUE`
+        where none did)."""
         sequences, args_rows, due_rows = [], [], []
         for group, params in backend.ordered_groups():
             if not params:
                 continue
+            n = len(params)
             index = {id(p): k for k, p in enumerate(params)}
-            mine = list(dict.fromkeys(index[id(p)] for p in arrived if id(p) in index))
-            mine += sorted(set(range(len(params))) - set(mine))
-            rows = [mine] if clocks is None else [mine, [clocks.get(id(params[k]), AT_EPILOGUE) for k in mine]]
-            rows = backend.broadcast_from_first(group, rows)
-            sequence = [params[k] for k in rows[0]]
+            row = [-1] * (n if clocks is None else 2 * n)  # per parameter its place in this rank's hook order
+            for place, k in enumerate(dict.fromkeys(index[id(p)] for p in arrived if id(p) in index)):
+                row[k] = place
+            if clocks is not None:  # then per parameter the clock of its first hook here
+                row[n:] = [clocks.get(id(p), -1) for p in params]
+            rows = backend.all_gather(group, row)
+            arrivals = [sorted((k for k in range(n) if r[k] >= 0), key=r.__getitem__) for r in rows]
+            if clocks is None:
+                merged = merge_orders(arrivals, n, key=lambda k: -k)
+            else:
+                due = [min((r[n + k] for r in rows if r[n + k] >= 0), default=AT_EPILOGUE) for k in range(n)]
+                merged = merge_orders(arrivals, n, key=lambda k: (due[k], -k))
+                due_rows.append([due[k] for k in merged])
+            sequence = [params[k] for k in merged]
             sequences.append(sequence)
             args_rows.append([args[id(p)] for p in sequence])
-            if clocks is not None:
-                due_rows.append(list(rows[1]))
         return cls(sequences, args_rows, due_rows if clocks is not None else None)
 
     def successors(self, reached: list[bool] | None) -> dict[int, tuple[Any, Any]]:
@@ -160,6 +172,38 @@ class ReductionOrder:
                     after[id(last)] = (end, tuple(zeros))
             self._successors = (reached, after)
         return self._successors[1]
+
+
+def merge_orders(arrivals: list[list[int]], n: int, key: Callable[[int], Any]) -> list[int]:
+    """``range(n)`` in one order in which each of ``arrivals`` (the ranks' hook orders, as indices) comes in its
+    own order, where they do not contradict each other. Wherever the orders leave a choice (what one rank reached
+    and the others did not, what none reached), the lowest ``key`` goes first: the highest parameter index, as a
+    backward mostly runs last-registered first, so that what no rank reached yet has a likely place. Where the
+    orders contradict each other (a cycle), the lowest ``key`` among what is left goes next. Deterministic: every
+    rank computes it from the same gathered rows."""
+    after: list[list[int]] = [[] for _ in range(n)]
+    waiting = [0] * n  # per index: how many arrivals still have something before it
+    for order in arrivals:
+        for a, b in zip(order, order[1:]):
+            after[a].append(b)
+            waiting[b] += 1
+    ready = [(key(k), k) for k in range(n) if not waiting[k]]
+    heapq.heapify(ready)
+    placed, merged = [False] * n, []
+    while len(merged) < n:
+        if ready:
+            k = heapq.heappop(ready)[1]
+            if placed[k]:
+                continue
+        else:  # the arrivals contradict each other
+            k = min((k for k in range(n) if not placed[k]), key=key)
+        placed[k] = True
+        merged.append(k)
+        for b in after[k]:
+            waiting[b] -= 1
+            if not waiting[b] and not placed[b]:
+                heapq.heappush(ready, (key(b), b))
+    return merged
 
 
 class _Agreement:
@@ -385,10 +429,11 @@ class Planner:
     def _expect_next(self, walk: _Walk, reached: list[bool] | None) -> None:
         """Offer the fast path (``expected``) where the walk now stands, if it can be taken there.
 
-        On ZeRO-1/2 also while parameters are parked (fired ahead of their turn, as on a rank that uses what rank 0
-        did not): the fast path then stops at the first of them, which goes at the next hook that is not expected,
-        or at the epilogue -- later, in the same order, which is all the buckets need there. ZeRO-3 hands over
-        between module gathers at the clock the order says, so there the fast path waits until nothing is parked."""
+        On ZeRO-1/2 also while parameters are parked (fired ahead of their turn, as where a rank uses what no rank
+        used in the agreeing backward): the fast path then stops at the first of them, which goes at the next hook
+        that is not expected, or at the epilogue -- later, in the same order, which is all the buckets need there.
+        ZeRO-3 hands over between module gathers at the clock the order says, so there the fast path waits until
+        nothing is parked."""
         order, k = walk.order, walk.next[0]
         if len(order.sequences) != 1 or k >= len(order.sequences[0]) or walk.fired and order.due is not None:
             return
@@ -466,7 +511,7 @@ class Planner:
 
     def settle_order(self, walkable: bool) -> None:
         """After the epilogue's hand-overs: where this backward agreed and its order can be walked (``walkable``;
-        ZeRO-3: the module order is recorded), take rank 0's order, one broadcast per group."""
+        ZeRO-3: the module order is recorded), merge every rank's order, one all-gather per group."""
         settling, self._settling = self._settling, None
         if settling is not None and walkable and not self.nested:
             agreement, args = settling
