@@ -360,8 +360,8 @@ def scaled_costs(stage: int, model: str, tensors: int, safe: bool = True, steps:
 
     Memory (``safe_zero_state_bytes``): sampled after initialize and, in each step, right before and after the
     epilogue DeepSpeed calls (``independent_gradient_partition_epilogue``): before it the backward's agreement or
-    walk is live, after it the agreed reduction order. The peak of those samples is reported. The broadcast order
-    tensors are transient: ``collectives`` sizes them.
+    walk is live, after it the agreed reduction order. The peak of those samples is reported. The gathered hook
+    orders are transient: ``collectives`` sizes them.
     """
     with _threads_for(model):
         module = build(model, tensors)

@@ -257,18 +257,18 @@ def render(results: dict) -> None:
     def listed(c: dict) -> str:
         return ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if not k.endswith("_bytes"))
 
-    why = {"zero2": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, and the broadcast "
-                    "of rank 0's reduction order, 8 B per trainable parameter)",
-           "zero3": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, the broadcast of "
-                    "rank 0's reduction order with each hook's module clock, 16 B per trainable parameter, and one "
-                    "all_gather of 8 B per rank per module with parameters, the ranks agreeing on the module order)"}
+    why = {"zero2": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, and the all_gather "
+                    "of every rank's hook order, 4 B per trainable parameter per rank)",
+           "zero3": "(first step only: gradless_params' agreement, 1 byte per trainable parameter, the all_gather of "
+                    "every rank's hook order with each hook's module clock, 8 B per trainable parameter per rank, and "
+                    "one all_gather of 8 B per rank per module with parameters, the ranks agreeing on the module order)"}
     for stage, per_step in results["collectives_per_step"].items():
         for label, step in (("first", 0), ("later", -1)):
             counts = {which: steps[step] for which, steps in per_step.items()}
             extra = counts["safe_zero"].get("all_reduce_bytes", 0) - counts["stock"].get("all_reduce_bytes", 0)
             lines.append(f"| collectives in the {label} {stage} step, control model (every rank uses every parameter) "
                          f"| {listed(counts['stock'])} | {listed(counts['safe_zero'])} | +{extra} B all-reduced "
-                         f"{why[stage]} | {'none' if label == 'later' else 'one small all-reduce, one broadcast'} |")
+                         f"{why[stage]} | {'none' if label == 'later' else 'one small all-reduce, one all-gather'} |")
     lines.append(f"| `import safe_zero` after `import deepspeed` | | | {results['import_safe_zero_ms']:.1f} ms "
                  "| <= 50 ms |")
     for row in results["alignment_padding"] or []:
@@ -393,8 +393,8 @@ SCALED_NOTES = (
     "list); the state is the deep size (`sys.getsizeof` over containers, parameters counted as references) of "
     "every `_safe_zero_*` attribute of the engine, its optimizer and its ZeRO-3 parameter coordinator (the "
     "agreement and its flags, the reduction order with its module clocks, the walk, the module names), sampled "
-    "after initialize and right before and after each of 3 steps' gradient epilogue; the broadcast order tensor "
-    "is transient, its bytes are in the collectives column. "
+    "after initialize and right before and after each of 3 steps' gradient epilogue; the gathered hook orders "
+    "are transient, their bytes are in the collectives column. "
     "bf16, torch Adam, stage3_param_persistence_threshold 0 (every parameter gathered), 1 intra-op thread per rank. "
     "At ZeRO-3 the stock engine gets the MoE blocks as leaf modules (`set_z3_leaf_module`), as safe_zero sets them. "
     "`moe_rank_dependent`: rank r runs only the experts e with e % 2 == r; there stock ZeRO-2 reduces one rank's "

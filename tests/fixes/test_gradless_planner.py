@@ -455,6 +455,19 @@ def test_zero12_the_fast_path_hands_over_the_zeros_that_follow_a_hook():
                           ("reduce", "b", None), ("hook", "a"), ("reduce", "a", None)]
 
 
+def test_zero12_a_hook_that_fired_late_goes_at_the_next_hook_not_at_the_epilogue():
+    """Rank 1's ``d`` fires before ``e`` in the second backward: ``d`` parks, ``e`` goes by the fast path, and the
+    next hook (``c``) hands over the parked ``d`` before itself; the rest go by the fast path again."""
+    dense = ["f", "e", "d", "c", "b", "a"]
+    scripts = [[dense] * 2, [dense, ["f", "d", "e", "c", "b", "a"]]]
+    replays = replay(scripts, P6)
+    check(replays, scripts)
+    events = replays[1].events[replays[1].events.index(("epilogue",)) + 1:]
+    assert events == [("hook", "f"), ("reduce", "f", None), ("hook", "d"), ("hook", "e"), ("reduce", "e", None),
+                      ("hook", "c"), ("reduce", "d", None), ("reduce", "c", None), ("hook", "b"),
+                      ("reduce", "b", None), ("hook", "a"), ("reduce", "a", None), ("epilogue",)]
+
+
 # -- ZeRO-3: hook order and the module clock -------------------------------------------------------------------
 
 #: Three modules' backward: ``m`` then the hooks of that module's parameters.
@@ -630,7 +643,7 @@ def test_a_planner_that_ignores_the_due_clock_fails_the_replays(monkeypatch):
 
 
 def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("if reached[k]:", "if True:"), ("if not r:", "if False:"),
+    _mutate(monkeypatch, ("if reached[k]:", "if True:"), ("if not reached[k]:", "if False:"),
             ("elif finish or (ask and not self.reaches(sequence, k)):", "elif finish:"))
     with pytest.raises(AssertionError):
         test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
@@ -640,7 +653,7 @@ def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeyp
 
 def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_replays(monkeypatch):
     _mutate(monkeypatch, ("(nxt, args_of[k], UNUSED)", "(nxt, args_of[k], FIRED)"),
-            ("zeros.append((p, args, UNUSED))", "zeros.append((p, args, FIRED))"),
+            ("zeros.append((params[k], self.args[0][k], UNUSED))", "zeros.append((params[k], self.args[0][k], FIRED))"),
             ("(param, args_of[k], UNUSED)", "(param, args_of[k], FIRED)"))
     with pytest.raises(AssertionError):
         test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
@@ -649,13 +662,14 @@ def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_
 
 
 def test_a_fast_path_that_hands_over_before_an_unreached_parameter_alone_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("after[id(last)] = (p, tuple(zeros))", "after[id(last)] = (p, ())"))
+    _mutate(monkeypatch, ("step = steps[k] = (params[k], tuple(reversed(zeros)), step)",
+                          "step = steps[k] = (params[k], (), step)"))
     with pytest.raises(AssertionError):
         test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
 
 
 def test_a_fast_path_that_does_not_move_on_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("planner.expected, zeros = planner.successors[id(param)]",
-                          "zeros = planner.successors[id(param)][1]"))
+    _mutate(monkeypatch, ("            planner.step = following\n            return [(param, args, FIRED), *then]",
+                          "            return [(param, args, FIRED), *then]"))
     with pytest.raises(AssertionError):
         test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires()

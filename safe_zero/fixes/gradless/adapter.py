@@ -29,6 +29,8 @@ class PlannerAdapter:
 
     #: ``None``: the fix is off for this optimizer's session, and every override passes through.
     _safe_zero_planner: Planner | None = None
+    #: DeepSpeed's hook body (``_stock_hook``), bound once where there is a planner: no ``super()`` per hook.
+    _safe_zero_stock_hook: Callable[..., None]
 
     def _start_planner(self, world: int, clocked: bool, queues: bool) -> Planner | None:
         session = session_for(self)
@@ -38,6 +40,7 @@ class PlannerAdapter:
                 Mode.AGREED if session.options.find_unused_parameters else Mode.STRICT)
         backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group, session,
                                     hold_accumulators=not clocked)
+        self._safe_zero_stock_hook = self._stock_hook()
         self._safe_zero_planner = Planner(mode, backend, clocked=clocked, queues=queues)
         return self._safe_zero_planner
 
@@ -115,9 +118,9 @@ class PlannerAdapter:
         planner.settle_order(self._walkable())
 
     def _carry_out(self, handovers: Iterable[Handover]) -> None:
-        """DeepSpeed's hook body for each of ``handovers``, in order, with zeros where the parameter has no gradient
-        (the stock method looked up once per call: this runs for every zero and every parked hook)."""
-        stock = self._stock_hook()
+        """DeepSpeed's hook body for each of ``handovers``, in order, with zeros where the parameter has no
+        gradient."""
+        stock = self._safe_zero_stock_hook
         for param, args, reason in handovers:
             if param.grad is None:
                 self._zero_fill(param, WHY[reason])

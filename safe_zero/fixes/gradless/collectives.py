@@ -30,17 +30,21 @@ class Reachability:
         self._held: dict[int, Any] | None = {} if hold else None
 
     def __call__(self, params: Sequence[torch.Tensor]) -> list[bool]:
-        will_execute = torch._C._will_engine_execute_node
         held = self._held
-        with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
-            if held is None:
+        if held is not None:  # once per backward, for up to every parameter: C loops (map), no Python per parameter
+            try:
+                nodes = list(map(held.__getitem__, map(id, params)))
+            except KeyError:  # the first ask for some of them
+                with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
+                    held.update((id(p), _get_grad_fn_or_grad_acc(p)) for p in params if id(p) not in held)
+                nodes = list(map(held.__getitem__, map(id, params)))
+            if None not in nodes:
+                return list(map(torch._C._will_engine_execute_node, nodes))
+        else:
+            with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
                 nodes = [_get_grad_fn_or_grad_acc(p) for p in params]
-            else:
-                for p in params:
-                    if id(p) not in held:
-                        held[id(p)] = _get_grad_fn_or_grad_acc(p)
-                nodes = [held[id(p)] for p in params]
-        return [node is not None and bool(will_execute(node)) for node in nodes]
+        will_execute = torch._C._will_engine_execute_node
+        return [node is not None and will_execute(node) for node in nodes]
 
 
 class _Flags:

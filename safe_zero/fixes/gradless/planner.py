@@ -95,12 +95,20 @@ class Backend(Protocol):
 
 
 class _At:
-    """``Planner.expected`` after the last parameter of the order: the walk stands at ``k``, its end."""
+    """The parameter of the step after the last one of the order: the walk stands at ``k``, its end."""
 
     __slots__ = ("k",)
 
     def __init__(self, k: int) -> None:
         self.k = k
+
+
+#: One step of the in-order fast path (``Planner.step``): ``(parameter, then, next step)``; ``then`` is, on ZeRO-1/2,
+#: the hand-overs of the parameters after it this rank's backward does not reach (zeros, in their turn), on ZeRO-3
+#: the parameter's due clock.
+Step = tuple[Any, Any, Any]
+#: ``Planner.step`` where the fast path is off: no parameter is its parameter.
+NO_STEP: Step = (_At(-1), NEVER, None)
 
 
 class ReductionOrder:
@@ -115,7 +123,7 @@ class ReductionOrder:
         self.args = args
         self.due = due
         self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
-        self._successors: tuple[list[bool], dict[int, Any]] | None = None
+        self._steps: tuple[list[bool] | None, list[Step | None]] | None = None
 
     @classmethod
     def agree(cls, backend: Backend, arrived: list[Any], args: dict[int, tuple],
@@ -149,29 +157,29 @@ class ReductionOrder:
             args_rows.append([args[id(p)] for p in sequence])
         return cls(sequences, args_rows, due_rows if clocks is not None else None)
 
-    def successors(self, reached: list[bool] | None) -> dict[int, tuple[Any, Any]]:
-        """One sequence: per parameter, what the walk expects after it (``Planner.expected``). ZeRO-1/2, per
-        parameter a backward that reaches ``reached`` (aligned with the sequence) reaches: the next one it reaches,
-        and the hand-overs of the ones it does not reach in between (zeros, in their turn). ZeRO-3 (``due``,
-        ``reached`` None): the next parameter and its due clock. Built once per distinct ``reached``, in one pass."""
-        cached = self._successors
+    def steps(self, reached: list[bool] | None) -> list[Step | None]:
+        """One sequence: per position, the fast path's step there (``Planner.step``). ZeRO-1/2, for a backward
+        that reaches ``reached`` (aligned with the sequence): a step per parameter it reaches, with the zeros
+        after it, chained to the next one it reaches. ZeRO-3 (``due``, ``reached`` None): a step per parameter,
+        with its due clock. Built once per distinct ``reached``, in one pass from the end."""
+        cached = self._steps
         if cached is None or cached[0] is not reached and cached[0] != reached:
-            params, end = self.sequences[0], _At(len(self.sequences[0]))
+            params = self.sequences[0]
+            steps: list[Step | None] = [None] * len(params)
             if self.due is not None:
-                after = dict(zip(map(id, params), zip(params[1:] + [end], self.due[0][1:] + [NEVER])))
+                step: Step = (_At(len(params)), NEVER, None)
+                for k in reversed(range(len(params))):
+                    step = steps[k] = (params[k], self.due[0][k], step)
             else:
-                after, last, zeros = {}, None, []
-                for p, args, r in zip(params, self.args[0], reached):
-                    if not r:
-                        zeros.append((p, args, UNUSED))
+                step, zeros = (_At(len(params)), (), None), []
+                for k in reversed(range(len(params))):
+                    if not reached[k]:
+                        zeros.append((params[k], self.args[0][k], UNUSED))
                         continue
-                    if last is not None:
-                        after[id(last)] = (p, tuple(zeros))
-                    last, zeros = p, []
-                if last is not None:
-                    after[id(last)] = (end, tuple(zeros))
-            self._successors = (reached, after)
-        return self._successors[1]
+                    step = steps[k] = (params[k], tuple(reversed(zeros)), step)
+                    zeros = []
+            self._steps = (reached, steps)
+        return self._steps[1]
 
 
 def merge_orders(arrivals: list[list[int]], n: int, key: Callable[[int], Any]) -> list[int]:
@@ -342,18 +350,19 @@ class Planner:
         self._fired: set[int] | None = None  # Mode.STRICT: the parameters whose hook fired in this backward
         self._settling: tuple[_Agreement, dict[int, tuple]] | None = None
         #: The in-order fast path (one sequence, while a backward walks the agreed order; :meth:`_expect_next` says
-        #: where): the next parameter of the order (ZeRO-1/2: the next one this rank's backward reaches). When its
-        #: hook fires (ZeRO-3: a last one, at a clock ``>= wake_at``, its due), the caller may hand it over itself,
-        #: as ``FIRED`` with its own hook arguments, instead of calling :meth:`hook`, and must then take
-        #: ``expected, zeros = successors[id(param)]`` and hand over ``zeros`` (ZeRO-3: ``expected, wake_at =
-        #: ...``), as :func:`carry_out` does; any other hook goes to :meth:`hook`. An identity test and a dict
-        #: lookup per hook, where a call costs microseconds between autograd's kernels (issue 26).
-        self.expected: Any = None
-        self.successors: dict[int, tuple[Any, Any]] = {}
+        #: where): ``(parameter, then, next step)``, the next parameter of the order (ZeRO-1/2: the next one this
+        #: rank's backward reaches). When its hook fires (ZeRO-3: a last one, at a clock ``>= then``, its due), the
+        #: caller may hand it over itself, as ``FIRED`` with its own hook arguments, instead of calling
+        #: :meth:`hook`, and must then move ``step`` on to the next step and hand over ``then`` (ZeRO-1/2; ZeRO-3:
+        #: set ``wake_at`` to the next step's due), as :func:`carry_out` does; any other hook goes to :meth:`hook`.
+        #: An identity test and a tuple per hook, where a call costs microseconds between autograd's kernels
+        #: (issue 26).
+        self.step: Step = NO_STEP
 
     def begin_backward(self) -> None:
         """A new backward (not a nested one): forget what one that never reached its epilogue left."""
-        self._agreement = self._walk = self._fired = self.expected = None
+        self._agreement = self._walk = self._fired = None
+        self.step = NO_STEP
         self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
 
     # Over the complexity limit on purpose: the walk's hand-over is inlined here, the one call per gradient hook
@@ -382,18 +391,20 @@ class Planner:
             return [(param, args, FIRED)]
         sequence, position = slot
         fired = walk.fired
-        if self.expected is not None:
+        if self.step is not NO_STEP:
             at = self._fast_path_at(walk)
-            if clock is None and position > at:  # ZeRO-1/2, ahead of its turn: parked, the fast path stays on
+            if clock is None and position > at and id(self.step[0]) not in fired:
+                # ZeRO-1/2, ahead of its turn while the one expected has not fired: parked, the fast path stays on
                 fired[id(param)] = args
                 return []
-            walk.next[0], self.expected = at, None
+            walk.next[0], self.step = at, NO_STEP
         if self.phase is Phase.HOLDING:
             fired[id(param)] = args
             return []
         # ``walk.hand_over(sequence, clock=clock, ask=clock is None)``, inlined: it runs per parameter per step.
         # On ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
-        # autograd at every hook costs more than the wait. ZeRO-1/2 asks once per backward.
+        # autograd at every hook costs more than the wait. ZeRO-1/2 asks once per backward, at its first hook: every
+        # rank then hands over what it does not reach before a nested backward (reentrant checkpointing) fires it.
         order = walk.order
         params, args_of, k = order.sequences[sequence], order.args[sequence], walk.next[sequence]
         due = order.due[sequence] if clock is not None and order.due is not None else None
@@ -427,7 +438,7 @@ class Planner:
         return handovers
 
     def _expect_next(self, walk: _Walk, reached: list[bool] | None) -> None:
-        """Offer the fast path (``expected``) where the walk now stands, if it can be taken there.
+        """Offer the fast path (``step``) where the walk now stands, if it can be taken there.
 
         On ZeRO-1/2 also while parameters are parked (fired ahead of their turn, as where a rank uses what no rank
         used in the agreeing backward): the fast path then stops at the first of them, which goes at the next hook
@@ -439,16 +450,15 @@ class Planner:
             return
         if order.due is None and (reached is None or not reached[k]):
             return
-        self.successors = order.successors(None if order.due is not None else reached)
-        self.expected = order.sequences[0][k]
+        self.step = order.steps(None if order.due is not None else reached)[k]
 
     def _fast_path_at(self, walk: _Walk) -> int:
-        """Where the fast path left the walk: every parameter before ``expected`` is handed over."""
-        expected = self.expected
+        """Where the fast path left the walk: every parameter before its step's is handed over."""
+        expected = self.step[0]
         return expected.k if type(expected) is _At else walk.order.slot[id(expected)][1]
 
     def _caught_up(self, walk: _Walk) -> None:
-        walk.next[0], self.expected = self._fast_path_at(walk), None
+        walk.next[0], self.step = self._fast_path_at(walk), NO_STEP
 
     def boundary(self, clock: int, task: int) -> list[Handover]:
         """ZeRO-3: the backward (task ``task``) enters a module, ``clock`` modules after its forward began, and
@@ -462,7 +472,7 @@ class Planner:
         walk = self._walk_of(task)
         if self.phase is Phase.HOLDING:
             return []
-        if self.expected is not None:
+        if self.step is not NO_STEP:
             self._caught_up(walk)
         handovers = walk.hand_over(0, clock=clock)
         self.wake_at = walk.wake_at()
@@ -474,7 +484,7 @@ class Planner:
         the rest of a backward in progress goes at its epilogue, and the next backward agrees again."""
         self.order = None
         if self._walk is not None:
-            if self.expected is not None:
+            if self.step is not NO_STEP:
                 self._caught_up(self._walk)
             self._set_phase(Phase.HOLDING)
         elif self.phase is Phase.ORDERED:
@@ -491,7 +501,7 @@ class Planner:
         arguments, in parameter order (the order held parameters go in). Then call :meth:`settle_order`."""
         walk, self._walk = self._walk, None
         if walk is not None:
-            if self.expected is not None:
+            if self.step is not NO_STEP:
                 self._caught_up(walk)
             handovers = []
             for sequence in range(len(walk.order.sequences)):
@@ -566,12 +576,14 @@ class Planner:
 
 
 def carry_out(planner: Planner, param: Any, args: tuple, task: int, clock: int | None = None) -> list[Handover]:
-    """What a hook hands over, fast path included: the protocol the stage mixins inline (``Planner.expected``)."""
-    if param is planner.expected:
+    """What a hook hands over, fast path included: the protocol the stage mixins inline (``Planner.step``)."""
+    parameter, then, following = planner.step
+    if param is parameter:
         if clock is None:
-            planner.expected, zeros = planner.successors[id(param)]
-            return [(param, args, FIRED), *zeros]
-        if clock >= planner.wake_at:
-            planner.expected, planner.wake_at = planner.successors[id(param)]
+            planner.step = following
+            return [(param, args, FIRED), *then]
+        if clock >= then:
+            planner.step = following
+            planner.wake_at = following[1]
             return [(param, args, FIRED)]
     return planner.hook(param, args, task, clock)

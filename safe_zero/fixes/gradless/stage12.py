@@ -51,19 +51,20 @@ class ReduceInOneOrderStage12(PlannerAdapter):
 
     @overrides
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
-        # Runs per parameter per step: while a backward walks the agreed order, an identity test and a dict lookup
-        # for the parameter the walk expects next; a planner call for any other.
+        # Runs per parameter per step: while a backward walks the agreed order, an identity test against the
+        # parameter the walk expects next and a step along the chain; a planner call for any other.
         planner = self._safe_zero_planner
         if planner is None:
             super().process_gradients(param, i)
             return
-        if param is planner.expected:  # planner.carry_out, inlined: the next parameter of the agreed order
-            planner.expected, zeros = planner.successors[id(param)]
+        step = planner.step
+        if param is step[0]:  # planner.carry_out, inlined: the next parameter of the agreed order
+            planner.step = step[2]
             if param.grad is None:
                 self._zero_fill(param, WHY[FIRED])
-            super().process_gradients(param, i)
-            if zeros:  # the ones after it this rank's backward does not reach
-                self._carry_out(zeros)
+            self._safe_zero_stock_hook(param, i)
+            if step[1]:  # the ones after it this rank's backward does not reach
+                self._carry_out(step[1])
             return
         # The conditions of stock process_gradients / reduce_ready_partitions_and_remove_grads: else the hooks only
         # accumulate (or DeepSpeed's coalesce_grad_reduction defers them itself). Outside a backward (that flush)

@@ -66,8 +66,8 @@ class ReduceInOneOrderStage3(PlannerAdapter):
 
     @overrides
     def reduce_ready_partitions_and_remove_grads(self, param: torch.nn.Parameter, *args: Any) -> None:
-        # Runs per parameter per step: while a backward walks the agreed order, an identity test, a clock test and a
-        # dict lookup for the parameter the walk expects next; a planner call for any other.
+        # Runs per parameter per step: while a backward walks the agreed order, an identity test against the
+        # parameter the walk expects next, a clock test and a step along the chain; a planner call for any other.
         planner = self._safe_zero_planner
         if planner is None:
             super().reduce_ready_partitions_and_remove_grads(param, *args)
@@ -75,12 +75,14 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         # planner.carry_out, inlined: the next parameter of the agreed order, its last hook of this backward, due
         # (on the module clock: a stock coordinator has none, and the planner's hook decides).
         clock = self._safe_zero_clock
-        if param is planner.expected and clock is not None and clock.position >= planner.wake_at \
+        step = planner.step
+        if param is step[0] and clock is not None and clock.position >= step[1] \
                 and getattr(param, "ds_grad_is_ready", True):
-            planner.expected, planner.wake_at = planner.successors[id(param)]
+            planner.step = following = step[2]
+            planner.wake_at = following[1]
             if param.grad is None:
                 self._zero_fill(param, WHY[FIRED])
-            super().reduce_ready_partitions_and_remove_grads(param, *args)
+            self._safe_zero_stock_hook(param, *args)
             return
         # DeepSpeed's coalesce_grad_reduction flush calls this outside any backward: no graph to ask there, and
         # DeepSpeed calls in parameter order on every rank anyway.
