@@ -662,14 +662,14 @@ def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_
 
 
 def test_a_fast_path_that_hands_over_before_an_unreached_parameter_alone_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("step = steps[k] = (params[k], tuple(reversed(zeros)), step)",
-                          "step = steps[k] = (params[k], (), step)"))
+    _mutate(monkeypatch, ("steps[k] = (params[k], tuple(reversed(zeros)), after)",
+                          "steps[k] = (params[k], (), after)"))
     with pytest.raises(AssertionError):
         test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
 
 
 def test_a_fast_path_that_does_not_move_on_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("            planner.step = following\n            return [(param, args, FIRED), *then]",
+    _mutate(monkeypatch, ("            planner.step = planner.steps[after]\n            return [(param, args, FIRED), *then]",
                           "            return [(param, args, FIRED), *then]"))
     with pytest.raises(AssertionError):
         test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires()

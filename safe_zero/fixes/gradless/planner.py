@@ -103,12 +103,12 @@ class _At:
         self.k = k
 
 
-#: One step of the in-order fast path (``Planner.step``): ``(parameter, then, next step)``; ``then`` is, on ZeRO-1/2,
-#: the hand-overs of the parameters after it this rank's backward does not reach (zeros, in their turn), on ZeRO-3
-#: the parameter's due clock.
-Step = tuple[Any, Any, Any]
+#: One step of the in-order fast path (``Planner.step``): ``(parameter, then, where the next step is in
+#: Planner.steps)``; ``then`` is, on ZeRO-1/2, the hand-overs of the parameters after it this rank's backward does not
+#: reach (zeros, in their turn), on ZeRO-3 the parameter's due clock.
+Step = tuple[Any, Any, int]
 #: ``Planner.step`` where the fast path is off: no parameter is its parameter.
-NO_STEP: Step = (_At(-1), NEVER, None)
+NO_STEP: Step = (_At(-1), NEVER, -1)
 
 
 class ReductionOrder:
@@ -158,26 +158,25 @@ class ReductionOrder:
         return cls(sequences, args_rows, due_rows if clocks is not None else None)
 
     def steps(self, reached: list[bool] | None) -> list[Step | None]:
-        """One sequence: per position, the fast path's step there (``Planner.step``). ZeRO-1/2, for a backward
-        that reaches ``reached`` (aligned with the sequence): a step per parameter it reaches, with the zeros
-        after it, chained to the next one it reaches. ZeRO-3 (``due``, ``reached`` None): a step per parameter,
-        with its due clock. Built once per distinct ``reached``, in one pass from the end."""
+        """One sequence: per position, the fast path's step there (``Planner.step``), then the end's. ZeRO-1/2,
+        for a backward that reaches ``reached`` (aligned with the sequence): a step per parameter it reaches, with
+        the zeros after it, pointing at the next one it reaches. ZeRO-3 (``due``, ``reached`` None): a step per
+        parameter, with its due clock. Built once per distinct ``reached``, in one pass from the end."""
         cached = self._steps
         if cached is None or cached[0] is not reached and cached[0] != reached:
-            params = self.sequences[0]
-            steps: list[Step | None] = [None] * len(params)
+            params, n = self.sequences[0], len(self.sequences[0])
+            steps: list[Step | None] = [None] * n + [(_At(n), NEVER if self.due is not None else (), n)]
             if self.due is not None:
-                step: Step = (_At(len(params)), NEVER, None)
-                for k in reversed(range(len(params))):
-                    step = steps[k] = (params[k], self.due[0][k], step)
+                for k in range(n):
+                    steps[k] = (params[k], self.due[0][k], k + 1)
             else:
-                step, zeros = (_At(len(params)), (), None), []
-                for k in reversed(range(len(params))):
+                after, zeros = n, []
+                for k in reversed(range(n)):
                     if not reached[k]:
                         zeros.append((params[k], self.args[0][k], UNUSED))
                         continue
-                    step = steps[k] = (params[k], tuple(reversed(zeros)), step)
-                    zeros = []
+                    steps[k] = (params[k], tuple(reversed(zeros)), after)
+                    after, zeros = k, []
             self._steps = (reached, steps)
         return self._steps[1]
 
@@ -350,14 +349,14 @@ class Planner:
         self._fired: set[int] | None = None  # Mode.STRICT: the parameters whose hook fired in this backward
         self._settling: tuple[_Agreement, dict[int, tuple]] | None = None
         #: The in-order fast path (one sequence, while a backward walks the agreed order; :meth:`_expect_next` says
-        #: where): ``(parameter, then, next step)``, the next parameter of the order (ZeRO-1/2: the next one this
-        #: rank's backward reaches). When its hook fires (ZeRO-3: a last one, at a clock ``>= then``, its due), the
-        #: caller may hand it over itself, as ``FIRED`` with its own hook arguments, instead of calling
-        #: :meth:`hook`, and must then move ``step`` on to the next step and hand over ``then`` (ZeRO-1/2; ZeRO-3:
-        #: set ``wake_at`` to the next step's due), as :func:`carry_out` does; any other hook goes to :meth:`hook`.
-        #: An identity test and a tuple per hook, where a call costs microseconds between autograd's kernels
-        #: (issue 26).
+        #: where): ``(parameter, then, after)``, the next parameter of the order (ZeRO-1/2: the next one this rank's
+        #: backward reaches). When its hook fires (ZeRO-3: a last one, at a clock ``>= then``, its due), the caller
+        #: may hand it over itself, as ``FIRED`` with its own hook arguments, instead of calling :meth:`hook`, and
+        #: must then move ``step`` on to ``steps[after]`` and hand over ``then`` (ZeRO-1/2; ZeRO-3: set ``wake_at``
+        #: to the new step's due), as :func:`carry_out` does; any other hook goes to :meth:`hook`. An identity test
+        #: and a list index per hook, where a call costs microseconds between autograd's kernels (issue 26).
         self.step: Step = NO_STEP
+        self.steps: list[Step | None] = []
 
     def begin_backward(self) -> None:
         """A new backward (not a nested one): forget what one that never reached its epilogue left."""
@@ -450,7 +449,8 @@ class Planner:
             return
         if order.due is None and (reached is None or not reached[k]):
             return
-        self.step = order.steps(None if order.due is not None else reached)[k]
+        self.steps = order.steps(None if order.due is not None else reached)
+        self.step = self.steps[k]
 
     def _fast_path_at(self, walk: _Walk) -> int:
         """Where the fast path left the walk: every parameter before its step's is handed over."""
@@ -577,13 +577,13 @@ class Planner:
 
 def carry_out(planner: Planner, param: Any, args: tuple, task: int, clock: int | None = None) -> list[Handover]:
     """What a hook hands over, fast path included: the protocol the stage mixins inline (``Planner.step``)."""
-    parameter, then, following = planner.step
+    parameter, then, after = planner.step
     if param is parameter:
         if clock is None:
-            planner.step = following
+            planner.step = planner.steps[after]
             return [(param, args, FIRED), *then]
         if clock >= then:
-            planner.step = following
+            planner.step = following = planner.steps[after]
             planner.wake_at = following[1]
             return [(param, args, FIRED)]
     return planner.hook(param, args, task, clock)

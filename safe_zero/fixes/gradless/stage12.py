@@ -59,7 +59,7 @@ class ReduceInOneOrderStage12(PlannerAdapter):
             return
         step = planner.step
         if param is step[0]:  # planner.carry_out, inlined: the next parameter of the agreed order
-            planner.step = step[2]
+            planner.step = planner.steps[step[2]]
             if param.grad is None:
                 self._zero_fill(param, WHY[FIRED])
             self._safe_zero_stock_hook(param, i)

@@ -78,7 +78,7 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         step = planner.step
         if param is step[0] and clock is not None and clock.position >= step[1] \
                 and getattr(param, "ds_grad_is_ready", True):
-            planner.step = following = step[2]
+            planner.step = following = planner.steps[step[2]]
             planner.wake_at = following[1]
             if param.grad is None:
                 self._zero_fill(param, WHY[FIRED])
