@@ -73,6 +73,23 @@ def test_report_path_argument_then_out_then_default(tmp_path):
     assert script.report_path(None, {}) == os.path.join(ROOT, "benchmarks", "gpu", "report.json")
 
 
+def test_an_arch_list_deepspeeds_builder_cannot_parse_is_given_it_without_suffixes(monkeypatch):
+    """The H200 image sets TORCH_CUDA_ARCH_LIST=9.0a, on which every DeepSpeed JIT build failed (2026-12-04)."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    inherited = "8.0;9.0a+PTX 10.0f"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", inherited)
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", inherited)
+    assert script._env()["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX 10.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", script._env()["TORCH_CUDA_ARCH_LIST"])
+    builder.compute_capability_args()
+    assert script.arch_list_for_deepspeed("9.0") == "9.0"
+
+
 def test_report_writer_and_exit_status(tmp_path):
     path = str(tmp_path / "deep" / "report.json")
     script.write_json(path, script.skipped_report("no CUDA"))
