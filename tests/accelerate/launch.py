@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,14 @@ def accelerate_launch(*args: str, timeout: float = 420) -> tuple[list[dict], str
         raise AssertionError(f"`accelerate launch {' '.join(args)}` timed out after {timeout}s:\n{output[-4000:]}")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"`accelerate launch {' '.join(args)}` exited {proc.returncode}:\n{output[-6000:]}"
-    records = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return records, output
+    return results(proc.stdout), output
+
+
+def results(stdout: str) -> list[dict]:
+    """Every ``RESULT <json>`` record in ``stdout``, wherever it starts: a rank's one-write line can land in the
+    middle of another rank's line (Trainer's log ``print`` writes its newline apart)."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(stdout, m.end())[0] for m in re.finditer(r"RESULT (?=\{)", stdout)]
 
 
 def by_phase(records: list[dict], phase: str, world: int) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from tests.accelerate.launch import EXAMPLES, accelerate_launch, by_phase  # noqa: E402
+from tests.accelerate.launch import EXAMPLES, accelerate_launch, by_phase, results  # noqa: E402
 from tests.bodies import FRAGMENT_ASSERT  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -77,4 +77,11 @@ def test_safe_deepspeed_plugin_example_trains_zero3_without_cpu_setup():
         assert len(values) == 4 and all(math.isfinite(v) for v in values)
         assert all(b < a for a, b in zip(values, values[1:])), values
         assert "zero3_zero_element_params" in engaged
+
+
+def test_a_rank_result_is_read_where_it_lands_inside_another_ranks_line():
+    # What CI once printed: rank 0's Trainer log line, rank 1's RESULT before rank 0's newline.
+    stdout = ("RESULT {\"rank\": 0, \"x\": [1]}\n"
+              "{'train_runtime': 1.5}RESULT {\"rank\": 1, \"x\": \"a}b\"}\n\nnot a RESULT line\n")
+    assert results(stdout) == [{"rank": 0, "x": [1]}, {"rank": 1, "x": "a}b"}]
 
