@@ -48,3 +48,32 @@ def test_safe_zero_trains_and_leaves_the_gradless_parameter_unchanged(ranks, sta
         assert r["losses"][-1] < r["losses"][0]
         assert r["unchanged"], "a parameter that never got a gradient must keep its value"
     assert results[0]["losses"] == results[-1]["losses"]
+
+
+def test_zero_gradients_of_a_run_share_bounded_buffers_and_keep_every_shape(monkeypatch):
+    from types import SimpleNamespace
+
+    from safe_zero.fixes.gradless import collectives
+
+    monkeypatch.setattr(collectives, "ZERO_FILL_CHUNK", 100)
+    wrapper = SimpleNamespace()
+    f32 = [torch.nn.Parameter(torch.ones(s)) for s in [(4, 5), (0, 8), (10, 3), (7, 20), (3,)]]
+    bf16 = torch.nn.Parameter(torch.ones(2, 2, dtype=torch.bfloat16))
+    released = torch.nn.Parameter(torch.ones(0))  # a ZeRO-3 parameter whose data is already released
+    wanted = [(p, p.shape, "cpu", "was not used") for p in f32[:2]] + [(bf16, bf16.shape, "cpu", "was not used")] \
+        + [(p, p.shape, "cpu", "was not used") for p in f32[2:]] + [(released, torch.Size((6, 2)), "cpu", "had none")]
+    collectives.zero_grads_for(wrapper, wanted)
+
+    for p, shape, _, _ in wanted:
+        assert p.grad.shape == shape and p.grad.dtype == p.dtype and not p.grad.any()
+    buffer = {id(p): p.grad.untyped_storage().data_ptr() for p in f32 + [released]}
+    # 20 + 0 + 30 elements fit one 100-element buffer; (7, 20) alone is larger and gets its own; the rest the next
+    assert buffer[id(f32[0])] == buffer[id(f32[1])] == buffer[id(f32[2])]
+    assert len({buffer[id(f32[2])], buffer[id(f32[3])], buffer[id(f32[4])]}) == 3
+    assert buffer[id(f32[4])] == buffer[id(released)]
+    assert bf16.grad.untyped_storage().data_ptr() not in buffer.values()
+    assert released.grad.data.shape == (6, 2)
+    f32[0].grad.add_(1)  # the views do not overlap
+    assert not f32[2].grad.any() and f32[0].grad.eq(1).all()
+    report = wrapper._safe_zero_session.counts["gradless_params"]
+    assert report["parameter of shape (0, 8) was not used; reduced as zeros"] == 1

@@ -57,7 +57,8 @@ class PlannerAdapter:
     def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
         raise NotImplementedError
 
-    def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
+    def _zero_fill(self, wanted: Iterable[tuple[torch.nn.Parameter, str]]) -> None:
+        """A zero gradient for each ``(param, why)`` of ``wanted`` (``why``: the report's wording)."""
         raise NotImplementedError
 
     def _stock_hook(self) -> Callable[..., None]:
@@ -88,9 +89,7 @@ class PlannerAdapter:
         planner = self._safe_zero_planner
         if planner is not None and planner.routes \
                 and getattr(self, "_coalesce_grad_reduction", False):
-            for param in self._trainable_params():
-                if param.grad is None:
-                    self._zero_fill(param, WHY_NOT_USED)
+            self._zero_fill((param, WHY_NOT_USED) for param in self._trainable_params() if param.grad is None)
         super().backward_epilogue(*args, **kwargs)
 
     def _finish_backward(self, params_in_order: Iterable[tuple[torch.nn.Parameter, tuple]]) -> None:
@@ -119,11 +118,13 @@ class PlannerAdapter:
 
     def _carry_out(self, handovers: Iterable[Handover]) -> None:
         """DeepSpeed's hook body for each of ``handovers``, in order, with zeros where the parameter has no
-        gradient."""
+        gradient (filled for all of them first: one zeroed buffer, not one per parameter)."""
+        handovers = list(handovers)
+        missing = [(param, WHY[reason]) for param, _, reason in handovers if param.grad is None]
+        if missing:
+            self._zero_fill(missing)
         stock = self._safe_zero_stock_hook
-        for param, args, reason in handovers:
-            if param.grad is None:
-                self._zero_fill(param, WHY[reason])
+        for param, args, _ in handovers:
             stock(param, *args)
 
     def _unused_message(self, missed: list[torch.nn.Parameter]) -> str:

@@ -3,6 +3,7 @@ data-parallel collectives, and zero gradients."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -101,15 +102,36 @@ class DataParallelRanks:
         return [t.tolist() for t in everyone]
 
 
-def zero_grad_for(wrapper: Any, param: torch.nn.Parameter, shape: torch.Size, device: Any,
-                  why: str = "had no gradient") -> None:
-    """Give ``param`` a zero gradient of its full ``shape`` (also when ZeRO-3 has already released its data)."""
-    zeros = torch.zeros(shape, dtype=param.dtype, device=device)
-    if param.shape == zeros.shape:
-        param.grad = zeros
-    else:  # a released ZeRO-3 parameter: autograd refuses a grad of another shape, DeepSpeed sets .data the same way
-        param.grad = torch.zeros_like(param)
-        param.grad.data = zeros
-    if not getattr(param, "_safe_zero_gradless_reported", False):
-        session_for(wrapper).engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
-        param._safe_zero_gradless_reported = True
+#: Elements per zeroed buffer that a run of zero gradients is carved from: one fill per run instead of one
+#: allocation and fill per parameter, bounded because DeepSpeed frees each gradient as it buckets it and a run of
+#: unused experts can be gigabytes.
+ZERO_FILL_CHUNK = 1 << 22
+
+
+def zero_grads_for(wrapper: Any, wanted: Sequence[tuple[torch.nn.Parameter, torch.Size, Any, str]]) -> None:
+    """Give each ``(param, shape, device, why)`` of ``wanted`` a zero gradient of its full ``shape`` (also when ZeRO-3
+    has already released its data): views of zeroed buffers of at most ``ZERO_FILL_CHUNK`` elements (a larger
+    parameter gets one of its own), one per dtype and device."""
+    runs: dict[tuple[torch.dtype, str], list[tuple[torch.nn.Parameter, torch.Size, str]]] = {}
+    for param, shape, device, why in wanted:
+        runs.setdefault((param.dtype, str(device)), []).append((param, shape, why))
+    for (dtype, device), run in runs.items():
+        sizes = [math.prod(shape) for _, shape, _ in run]
+        start = 0
+        while start < len(run):
+            end, total = start + 1, sizes[start]
+            while end < len(run) and total + sizes[end] <= ZERO_FILL_CHUNK:
+                total += sizes[end]
+                end += 1
+            flat = torch.zeros(total, dtype=dtype, device=device)
+            for (param, shape, why), zeros in zip(run[start:end], flat.split(sizes[start:end])):
+                zeros = zeros.view(shape)
+                if param.shape == shape:
+                    param.grad = zeros
+                else:  # a released ZeRO-3 parameter: autograd refuses a grad of another shape; DeepSpeed sets .data
+                    param.grad = torch.zeros_like(param)
+                    param.grad.data = zeros
+                if not getattr(param, "_safe_zero_gradless_reported", False):
+                    session_for(wrapper).engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
+                    param._safe_zero_gradless_reported = True
+            start = end

@@ -8,7 +8,7 @@ import torch
 from deepspeed import comm as dist
 
 from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, PlannerAdapter
-from safe_zero.fixes.gradless.collectives import zero_grad_for
+from safe_zero.fixes.gradless.collectives import zero_grads_for
 from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
 
@@ -37,10 +37,11 @@ class ReduceInOneOrderStage12(PlannerAdapter):
     def _trainable_params(self) -> Iterable[torch.nn.Parameter]:
         return (p for group in self.bit16_groups for p in group if p.requires_grad)
 
-    def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
-        if self.use_grad_accum_attribute and param.grad is None and getattr(param, "grad_accum", None) is not None:
-            return  # earlier micro-steps left it a gradient
-        zero_grad_for(self, param, param.shape, param.device, why)
+    def _zero_fill(self, wanted: Iterable[tuple[torch.nn.Parameter, str]]) -> None:
+        accum = self.use_grad_accum_attribute
+        zero_grads_for(self, [(param, param.shape, param.device, why) for param, why in wanted
+                              # earlier micro-steps left it a gradient
+                              if not (accum and getattr(param, "grad_accum", None) is not None)])
 
     def _at_accumulation_boundary(self) -> bool:
         boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
@@ -61,7 +62,7 @@ class ReduceInOneOrderStage12(PlannerAdapter):
         if param is step[0]:  # planner.carry_out, inlined: the next parameter of the agreed order
             planner.step = planner.steps[step[2]]
             if param.grad is None:
-                self._zero_fill(param, WHY[FIRED])
+                self._zero_fill(((param, WHY[FIRED]),))
             self._safe_zero_stock_hook(param, i)
             if step[1]:  # the ones after it this rank's backward does not reach
                 self._carry_out(step[1])
@@ -76,17 +77,15 @@ class ReduceInOneOrderStage12(PlannerAdapter):
                 self._carry_out(planner.hook(param, (i,), task))
                 return
         if param.grad is None:
-            self._zero_fill(param, WHY[FIRED])
+            self._zero_fill(((param, WHY[FIRED]),))
         super().process_gradients(param, i)
 
     @overrides
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
         # ZeRO-1 without overlap_comm reduces in one ordered pass here, skipping None gradients: fill them.
         if self._safe_zero_planner is not None and not self.overlap_comm:
-            for group in self.bit16_groups:
-                for param in group:
-                    if param.requires_grad and self.get_gradient_for_reduction(param) is None:
-                        self._zero_fill(param, WHY_NOT_USED)
+            self._zero_fill((param, WHY_NOT_USED) for group in self.bit16_groups for param in group
+                            if param.requires_grad and self.get_gradient_for_reduction(param) is None)
         super().reduce_gradients(pipeline_parallel)
 
     @overrides

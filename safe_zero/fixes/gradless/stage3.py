@@ -11,7 +11,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import z3_leaf_parameter
 
 from safe_zero.fixes.gradless.adapter import WHY, PlannerAdapter
-from safe_zero.fixes.gradless.collectives import zero_grad_for
+from safe_zero.fixes.gradless.collectives import zero_grads_for
 from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording, ModuleClock
 from safe_zero.fixes.gradless.planner import FIRED, Mode
 from safe_zero.patching import overrides
@@ -52,9 +52,10 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         # A trace left during this step: the next one records the module order again, and agrees again.
         return self._safe_zero_clock is not None and self._safe_zero_clock.recorded()
 
-    def _zero_fill(self, param: torch.nn.Parameter, why: str) -> None:
+    def _zero_fill(self, wanted: Iterable[tuple[torch.nn.Parameter, str]]) -> None:
         # The parameter may already be re-partitioned here: size the gradient from ds_shape.
-        zero_grad_for(self, param, param.ds_shape, get_accelerator().current_device_name(), why)
+        device = get_accelerator().current_device_name()
+        zero_grads_for(self, [(param, param.ds_shape, device, why) for param, why in wanted])
 
     def _stock_hook(self) -> Callable[..., None]:
         return super().reduce_ready_partitions_and_remove_grads
@@ -81,7 +82,7 @@ class ReduceInOneOrderStage3(PlannerAdapter):
             planner.step = following = planner.steps[step[2]]
             planner.wake_at = following[1]
             if param.grad is None:
-                self._zero_fill(param, WHY[FIRED])
+                self._zero_fill(((param, WHY[FIRED]),))
             self._safe_zero_stock_hook(param, *args)
             return
         # DeepSpeed's coalesce_grad_reduction flush calls this outside any backward: no graph to ask there, and
@@ -95,7 +96,7 @@ class ReduceInOneOrderStage3(PlannerAdapter):
                                              getattr(param, "ds_grad_is_ready", True)))
                 return
         if param.grad is None:
-            self._zero_fill(param, WHY[FIRED])
+            self._zero_fill(((param, WHY[FIRED]),))
         super().reduce_ready_partitions_and_remove_grads(param, *args)
 
     @overrides
