@@ -63,13 +63,11 @@ SUPPORTED: dict[str, Supported] = {s.distribution: s for s in (
     Supported("torch", SpecifierSet(">=2.4"), floor="2.4", newest="2.13.0", floor_tested=False),
     # DeepSpeed internals are subclassed; each minor release is checked by `make matrix` before it is allowed.
     # 0.18.0-0.18.2 lack the optimizer's enter_backward, which gradless_params extends (refused at import).
-    Supported("deepspeed", SpecifierSet(">=0.18.3,<0.20"), floor="0.18.3", newest="0.19.8", floor_tested=False),
-    Supported("lightning", SpecifierSet(">=2.4"), floor="2.4.0", newest="2.6.6", extra="lightning", floor_tested=False),
+    Supported("deepspeed", SpecifierSet(">=0.18.3,<0.20"), floor="0.18.3", newest="0.19.8"),
+    Supported("lightning", SpecifierSet(">=2.4"), floor="2.4.0", newest="2.6.6", extra="lightning"),
     # 1.0-1.8: the Accelerator refuses the process state safe_zero's CPU route creates before it (measured).
-    Supported("accelerate", SpecifierSet(">=1.9.0"), floor="1.9.0", newest="1.16.0", extra="accelerate",
-              floor_tested=False),
-    Supported("transformers", SpecifierSet(">=4.50"), floor="4.50.0", newest="5.25.0", extra="transformers",
-              floor_tested=False),
+    Supported("accelerate", SpecifierSet(">=1.9.0"), floor="1.9.0", newest="1.16.0", extra="accelerate"),
+    Supported("transformers", SpecifierSet(">=4.50"), floor="4.50.0", newest="5.25.0", extra="transformers"),
     Supported("trl", SpecifierSet(">=1.16.0"), floor="1.16.0", newest="1.16.0", extra="trl"),
     Supported("peft", SpecifierSet(">=0.21.2"), floor="0.21.2", newest="0.21.2", extra="trl"),
     Supported("fp-quant", SpecifierSet(">=0.3.2"), floor="0.3.2", newest="0.3.2", extra="examples"),

@@ -17,7 +17,7 @@ from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 from safe_zero.options import pass_config
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
-from tests.models import OddExperts, TinyGptOss, build, ds_config
+from tests.models import OddExperts, TinyGptOss, build, ds_config, skip_without_grouped_mm_transformers
 
 
 
@@ -25,7 +25,7 @@ from tests.models import OddExperts, TinyGptOss, build, ds_config
 
 
 def test_gpt_oss_experts_weights_are_detected_and_nothing_else():
-    pytest.importorskip("transformers")
+    skip_without_grouped_mm_transformers()  # GPT-OSS and its grouped_mm experts are Transformers 5's
     model = build(TinyGptOss)
     found = safe_zero.grouped_mm_parameters(model)
     assert sorted(found) == ["lm.model.layers.0.mlp.experts.down_proj", "lm.model.layers.0.mlp.experts.gate_up_proj"]
@@ -33,7 +33,7 @@ def test_gpt_oss_experts_weights_are_detected_and_nothing_else():
 
 
 def test_an_experts_module_on_another_implementation_is_not_detected():
-    pytest.importorskip("transformers")
+    skip_without_grouped_mm_transformers()  # GPT-OSS and its grouped_mm experts are Transformers 5's
     model = build(TinyGptOss)
     model.lm.set_experts_implementation("eager")
     assert safe_zero.grouped_mm_parameters(model) == {}
