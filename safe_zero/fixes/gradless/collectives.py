@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from torch._utils import _unflatten_dense_tensors
 from torch.autograd.graph import _get_grad_fn_or_grad_acc
 
 from safe_zero.errors import ReentrantCheckpointWarning
@@ -110,28 +111,31 @@ ZERO_FILL_CHUNK = 1 << 22
 
 def zero_grads_for(wrapper: Any, wanted: Sequence[tuple[torch.nn.Parameter, torch.Size, Any, str]]) -> None:
     """Give each ``(param, shape, device, why)`` of ``wanted`` a zero gradient of its full ``shape`` (also when ZeRO-3
-    has already released its data): views of zeroed buffers of at most ``ZERO_FILL_CHUNK`` elements (a larger
-    parameter gets one of its own), one per dtype and device."""
-    runs: dict[tuple[torch.dtype, str], list[tuple[torch.nn.Parameter, torch.Size, str]]] = {}
-    for param, shape, device, why in wanted:
-        runs.setdefault((param.dtype, str(device)), []).append((param, shape, why))
-    for (dtype, device), run in runs.items():
-        sizes = [math.prod(shape) for _, shape, _ in run]
-        start = 0
-        while start < len(run):
-            end, total = start + 1, sizes[start]
-            while end < len(run) and total + sizes[end] <= ZERO_FILL_CHUNK:
-                total += sizes[end]
-                end += 1
-            flat = torch.zeros(total, dtype=dtype, device=device)
-            for (param, shape, why), zeros in zip(run[start:end], flat.split(sizes[start:end])):
-                zeros = zeros.view(shape)
-                if param.shape == shape:
-                    param.grad = zeros
-                else:  # a released ZeRO-3 parameter: autograd refuses a grad of another shape; DeepSpeed sets .data
-                    param.grad = torch.zeros_like(param)
-                    param.grad.data = zeros
-                if not getattr(param, "_safe_zero_gradless_reported", False):
-                    session_for(wrapper).engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
-                    param._safe_zero_gradless_reported = True
-            start = end
+    has already released its data): views of one zeroed buffer per run of the same dtype and device, at most
+    ``ZERO_FILL_CHUNK`` elements (a larger parameter gets one of its own)."""
+    start, n = 0, len(wanted)
+    while start < n:
+        dtype, device = wanted[start][0].dtype, wanted[start][2]
+        end, total, as_shaped = start, 0, True
+        while end < n:
+            param, shape, at, _ = wanted[end]
+            size = math.prod(shape)
+            if end > start and (param.dtype != dtype or at != device or total + size > ZERO_FILL_CHUNK):
+                break
+            total, end, as_shaped = total + size, end + 1, as_shaped and param.shape == shape
+        run = wanted[start:end]
+        flat = torch.zeros(total, dtype=dtype, device=device)
+        if as_shaped:  # the views in one C call
+            views = _unflatten_dense_tensors(flat, [param for param, _, _, _ in run])
+        else:
+            views = [z.view(shape) for z, (_, shape, _, _) in zip(flat.split([math.prod(r[1]) for r in run]), run)]
+        for (param, shape, _, why), zeros in zip(run, views):
+            if param.shape == shape:
+                param.grad = zeros
+            else:  # a released ZeRO-3 parameter: autograd refuses a grad of another shape; DeepSpeed sets .data
+                param.grad = torch.zeros_like(param)
+                param.grad.data = zeros
+            if not getattr(param, "_safe_zero_gradless_reported", False):
+                session_for(wrapper).engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
+                param._safe_zero_gradless_reported = True
+        start = end
