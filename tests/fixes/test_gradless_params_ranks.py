@@ -22,6 +22,7 @@ import warnings
 
 import pytest
 import torch
+from packaging.version import Version
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
@@ -662,6 +663,10 @@ def test_safe_zero3_waits_for_a_gradient_that_moves_past_a_gather_on_every_rank_
 def test_zero3_trains_a_gradient_that_moves_on_one_rank_as_stock_does(ranks, safe):
     """Only rank 1's ``body.scale`` gradient moves. With one bucket per backward stock DeepSpeed reduces it sorted by
     parameter, so where it arrives does not matter; safe_zero's walk waits for it on rank 1 only and trains the same."""
+    if not safe and DEEPSPEED_VERSION < Version("0.19"):
+        # Measured on 0.18.9: stock's run is off the reference in about 1 run of 4 (max error 0.34), so there is no
+        # stock behaviour to match; safe_zero's run is still checked against the reference below.
+        pytest.skip("DeepSpeed 0.18.x stock ZeRO-3 trains this model right only in some runs")
     results = ranks.run(2, _train, grads=True, model="moving-rank1", safe=safe, world_size=2, stage=3)
     expected = reference("moving-rank1", 2)
     for r in results:
