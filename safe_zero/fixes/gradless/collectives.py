@@ -116,19 +116,20 @@ def zero_grads_for(wrapper: Any, wanted: Sequence[tuple[torch.nn.Parameter, torc
     start, n = 0, len(wanted)
     while start < n:
         dtype, device = wanted[start][0].dtype, wanted[start][2]
-        end, total, as_shaped = start, 0, True
+        end, total, sizes, as_shaped = start, 0, [], True
         while end < n:
             param, shape, at, _ = wanted[end]
             size = math.prod(shape)
-            if end > start and (param.dtype != dtype or at != device or total + size > ZERO_FILL_CHUNK):
+            if sizes and (param.dtype != dtype or at != device or total + size > ZERO_FILL_CHUNK):
                 break
+            sizes.append(size)
             total, end, as_shaped = total + size, end + 1, as_shaped and param.shape == shape
         run = wanted[start:end]
         flat = torch.zeros(total, dtype=dtype, device=device)
         if as_shaped:  # the views in one C call
             views = _unflatten_dense_tensors(flat, [param for param, _, _, _ in run])
         else:
-            views = [z.view(shape) for z, (_, shape, _, _) in zip(flat.split([math.prod(r[1]) for r in run]), run)]
+            views = [z.view(shape) for z, (_, shape, _, _) in zip(flat.split(sizes), run)]
         for (param, shape, _, why), zeros in zip(run, views):
             if param.shape == shape:
                 param.grad = zeros
