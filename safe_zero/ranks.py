@@ -108,7 +108,7 @@ class DistPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def _collect(self, job_id: Any, timeout: float) -> dict[int, Any]:
+    def _collect(self, job_id: Any, timeout: float, grace: float | None = None) -> dict[int, Any]:
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.world_size:
@@ -120,11 +120,11 @@ class DistPool:
                     # rank that finished may have raised first.
                     codes = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
                     errors = "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
-                    self.close()
+                    self.close(patience=0)
                     raise RuntimeError(f"a worker of the {self.world_size}-rank pool died during job {job_id} "
                                        f"(exit codes by rank: {codes}){errors}")
                 if time.monotonic() > deadline:
-                    self.close()
+                    self.close(patience=0)
                     # A rank that raised while another waits in a collective: its error is the one to see.
                     errors = "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
                     raise TimeoutError(f"job {job_id} did not finish on all {self.world_size} ranks within {timeout}s "
@@ -132,28 +132,37 @@ class DistPool:
                 continue
             if jid == job_id:
                 got[rank] = outcome
+                if grace is not None and outcome[0] == "err":  # as a launcher ends a job a rank left
+                    deadline = min(deadline, time.monotonic() + grace)
         return got
 
-    def run(self, fn: Callable[..., Any], /, *, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
-        """Call ``fn(**kwargs)`` on every rank; return the per-rank results or raise :class:`RankFailure`."""
+    def run(self, fn: Callable[..., Any], /, *, timeout: float = 240.0, grace: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Call ``fn(**kwargs)`` on every rank; return the per-rank results or raise :class:`RankFailure`.
+
+        ``grace``: once a rank has raised, the seconds the others get to finish before the job times out (the
+        others may be waiting in a collective the failed rank will never join); by default the whole ``timeout``.
+        """
         self._next_id += 1
         job_id = self._next_id
         target = f"{fn.__module__}:{fn.__qualname__}"
         for q in self._jobs:
             q.put((job_id, target, kwargs))
-        got = self._collect(job_id, timeout)
+        got = self._collect(job_id, timeout, grace)
         errors = [got[r][1] for r in sorted(got) if got[r][0] == "err"]
         if errors:
             raise RankFailure(errors)
         return [got[r][1] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, patience: float = 10.0) -> None:
+        """End the workers: each leaves its gloo group when it next reads the queue; a worker still there after
+        ``patience`` seconds is killed (0 for a job given up on: its ranks wait in collectives that never end)."""
         for q in self._jobs:
             try:
                 q.put(None)
             except Exception:
                 pass
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patience
         for p in self._procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():

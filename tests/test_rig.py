@@ -2,6 +2,9 @@ import pytest
 
 from tests.rig import RankFailure
 
+# The rig is safe_zero's own code, the same on every DeepSpeed release.
+pytestmark = pytest.mark.main_leg_only
+
 
 def _rank_and_sum():
     import torch
@@ -31,6 +34,14 @@ def _die_on_rank_one():
     dist.barrier()  # rank 0 waits for the dead rank: only the pool's liveness check ends the job
 
 
+def _raise_on_rank_one_while_rank_zero_waits():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # never joined by rank 1
+
+
 def test_two_ranks_share_a_gloo_group(ranks):
     assert ranks.run(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
 
@@ -38,6 +49,16 @@ def test_two_ranks_share_a_gloo_group(ranks):
 def test_a_failing_rank_is_reported_with_its_error(ranks):
     with pytest.raises(RankFailure, match="rank 1: ValueError: boom on rank 1"):
         ranks.run(2, _raise_on_rank_one)
+
+
+def test_a_job_a_rank_left_ends_after_the_grace_not_the_timeout(ranks):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"finished: \[1\]\); rank 1: ValueError: boom on rank 1"):
+        ranks.run(2, _raise_on_rank_one_while_rank_zero_waits, timeout=120, grace=1)
+    assert time.monotonic() - start < 30
+    assert ranks.run(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)], "the next job gets a fresh pool"
 
 
 def test_a_dying_rank_is_reported_with_its_exit_code(ranks):

@@ -14,6 +14,9 @@ from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd
 from tests.models import skip_without_grouped_mm_transformers
 
+# `make bench` runs on the main leg's DeepSpeed only.
+pytestmark = pytest.mark.main_leg_only
+
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_paired_step_seconds_times_both_engines_per_step(ranks, stage):

@@ -23,6 +23,9 @@ from safe_zero._compat import DEEPSPEED_VERSION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The GPU check runs on the main leg's DeepSpeed only.
+pytestmark = pytest.mark.main_leg_only
+
 
 # ------------------------------------------------------------------------------------------ the script
 
