@@ -83,13 +83,15 @@ def step_time_ratio(pool: DistPool, stage: int) -> dict:
             "safe_zero_profiled_share": share["share"], "safe_zero_calls_per_step": share["calls_per_step"]}
 
 
-def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int | None = None) -> dict:
+def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int | None = None,
+               costs: bool = True) -> dict:
     """One scaled model at one stage: collectives (first and later steps, stock and safe_zero), the memory safe_zero's
-    code holds, safe_zero's calls per tensor under cProfile, then the step ratio and its stock/stock noise floor."""
+    code holds, safe_zero's calls per tensor under cProfile (``costs``), then the step ratio and its stock/stock
+    noise floor."""
     row: dict[str, Any] = {"model": model, "size": tensors, "stage": stage, **bodies.describe(model, tensors),
                            "load": os.getloadavg()[0]}
     started = time.time()
-    if model != "moe_rank_dependent":
+    if costs and model != "moe_rank_dependent":
         safe = pool.run(bodies.scaled_costs, stage=stage, model=model, tensors=tensors, safe=True,
                         profile_steps=PROFILE_STEPS[tensors], timeout=SCALED_TIMEOUT)
         stock = pool.run(bodies.scaled_costs, stage=stage, model=model, tensors=tensors, safe=False,
@@ -98,7 +100,7 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int 
         row["collectives_agree_across_ranks"] = all(r["collectives"] == safe[0]["collectives"] for r in safe)
         row["memory"] = max((r["memory"] for r in safe), key=lambda m: m["peak_bytes"])
         row["profile"] = max((r["profile"] for r in safe), key=lambda p: p["share"])
-    else:
+    elif costs:
         row["profile"] = max(pool.run(bodies.safe_zero_share, stage=stage, model=model, tensors=tensors,
                                       steps=PROFILE_STEPS[tensors], warmup=SCALED_WARMUP[tensors],
                                       timeout=SCALED_TIMEOUT), key=lambda p: p["share"])
@@ -183,7 +185,7 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
             if model == "moe_rank_dependent" and tensors > 1000:
                 continue  # its ratio is checked at the smaller sizes: 20,000 tensors cost minutes per step
             for stage in map(int, args.stages.split(",")):
-                row = scaled_row(pool, model, tensors, stage, args.pairs)
+                row = scaled_row(pool, model, tensors, stage, args.pairs, costs=not args.ratio_only)
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
                 scaled[f"{model}/{tensors}/zero{stage}"] = row
                 print(json.dumps({k: v for k, v in row.items() if k != "collectives"})[:2000], flush=True)
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", metavar="LABEL", help="also keep this run's scaled rows in RESULTS.md under "
                         "'LABEL, <date>' (later runs keep it)")
     parser.add_argument("--pairs", type=int, help="scaled models: step pairs per run (default by size; 0: no ratio)")
+    parser.add_argument("--ratio-only", action="store_true", help="scaled models: the step ratio and its noise floor "
+                        "alone (no collectives, memory or profile)")
     parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
                         "--record: keep the scaled rows there under the label)")
     parser.add_argument("--results", default=RESULTS_JSON, help="the JSON file to read and write")
