@@ -85,6 +85,11 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any, sys_
     os._exit(0)
 
 
+def _raised(got: dict[int, Any]) -> str:
+    """The errors of the ranks that raised, each after "; ", for a message about the ranks that did not finish."""
+    return "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
+
+
 class DistPool:
     """``world_size`` worker processes joined in one gloo group."""
 
@@ -119,16 +124,14 @@ class DistPool:
                     # The exit codes say how (a negative one is the signal, e.g. -11 a segfault, -6 an abort); a
                     # rank that finished may have raised first.
                     codes = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
-                    errors = "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
                     self.close(patience=0)
                     raise RuntimeError(f"a worker of the {self.world_size}-rank pool died during job {job_id} "
-                                       f"(exit codes by rank: {codes}){errors}")
+                                       f"(exit codes by rank: {codes}){_raised(got)}")
                 if time.monotonic() > deadline:
                     self.close(patience=0)
                     # A rank that raised while another waits in a collective: its error is the one to see.
-                    errors = "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
                     raise TimeoutError(f"job {job_id} did not finish on all {self.world_size} ranks within {timeout}s "
-                                       f"(finished: {sorted(got)}){errors}")
+                                       f"(finished: {sorted(got)}){_raised(got)}")
                 continue
             if jid == job_id:
                 got[rank] = outcome
