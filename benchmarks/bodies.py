@@ -55,8 +55,13 @@ class MoEBlock(nn.Module):
 
     ``rank_dependent``: rank r runs only the experts e with e % world_size == r, so each rank uses other
     experts (the case stock ZeRO-1/2 reduces into each other and stock ZeRO-3 cannot gather); otherwise every
-    rank runs every expert, weighted by the router (every rank uses every parameter).
+    rank runs every expert, weighted by the router (every rank uses every parameter). ``touch_unused`` (set by
+    :func:`touch_unused`): each expert the rank does not run adds ``0 x sum`` of each of its parameters to the output.
     """
+
+    #: Stock's workaround for parameters only some ranks use (as with DDP before find_unused_parameters): every
+    #: parameter in every rank's graph, with an exact zero gradient where the rank did not use it.
+    touch_unused = False
 
     def __init__(self, hidden: int, experts: int, inner: int, rank_dependent: bool) -> None:
         super().__init__()
@@ -72,8 +77,16 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = torch.softmax(self.router(x), dim=-1)
         out = torch.zeros_like(x)
-        for e in self.chosen:
-            out = out + weights[..., e:e + 1] * self.experts[e](x)
+        if not self.touch_unused:
+            for e in self.chosen:
+                out = out + weights[..., e:e + 1] * self.experts[e](x)
+            return out
+        # In expert order, run or touched: the gradients' order (ZeRO-1/2's bucket order) is the same on every rank.
+        for e, expert in enumerate(self.experts):
+            if e in self.chosen:
+                out = out + weights[..., e:e + 1] * expert(x)
+            else:
+                out = out + sum(0 * p.sum() for p in expert.parameters())
         return out
 
 
@@ -162,6 +175,14 @@ def build(model: str = "wide", tensors: int = 0) -> nn.Module:
     return MODELS[model](tensors)
 
 
+def touch_unused(module: nn.Module) -> nn.Module:
+    """``module`` with every MoE block touching the experts its rank does not run (``MoEBlock.touch_unused``)."""
+    for block in module.modules():
+        if isinstance(block, MoEBlock):
+            block.touch_unused = True
+    return module
+
+
 def example_input(module: nn.Module) -> torch.Tensor:
     """The model's input in bf16 (``Wide``: 8 x 256, drawn after the engines are built, as always)."""
     example = getattr(module, "example", None)
@@ -221,27 +242,32 @@ def _engine(model: nn.Module, stage: int, safe: bool | dict[str, Any]) -> Any:
 
 
 def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tuple[Any, Any] = (False, True),
-                        b_built_first: bool = False, model: str = "wide",
-                        tensors: int = 0) -> list[tuple[float, float]]:
+                        b_built_first: bool = False, model: str = "wide", tensors: int = 0,
+                        stock_touches_unused: bool = False) -> list[tuple[float, float]]:
     """``(a, b)`` seconds of ``pairs`` training steps of ``model`` (``MODELS``), taken alternately on two engines.
 
     ``safe`` says which of engines a and b run safe_zero: ``(False, True)`` compares stock with
     safe_zero, ``(False, False)`` is the A/A control that shows the harness's noise. Both engines
     live in this process from the same seed, so a pair shares the machine's state at that moment;
     which engine steps first alternates so neither gets the warmer caches. Which one is built
-    first (and so where its buffers land) is the caller's choice: run both.
+    first (and so where its buffers land) is the caller's choice: run both. ``stock_touches_unused``: the stock
+    engines' models touch the experts their rank does not run (:func:`touch_unused`), so stock reduces what DDP's
+    answer needs and trains right.
     """
     import torch.distributed as dist
 
     with _threads_for(model):
-        return _paired_step_seconds(stage, pairs, warmup, safe, b_built_first, model, tensors, dist)
+        return _paired_step_seconds(stage, pairs, warmup, safe, b_built_first, model, tensors, dist,
+                                    stock_touches_unused)
 
 
 def _paired_step_seconds(stage: int, pairs: int, warmup: int, safe: tuple[Any, Any], b_built_first: bool,
-                         model: str, tensors: int, dist: Any) -> list[tuple[float, float]]:
+                         model: str, tensors: int, dist: Any, stock_touches_unused: bool) -> list[tuple[float, float]]:
     engines = {}
     for which in ("b", "a") if b_built_first else ("a", "b"):
         module = build(model, tensors)
+        if stock_touches_unused and safe["ab".index(which)] is False:
+            touch_unused(module)
         engines[which] = _engine(module, stage, safe["ab".index(which)])
     x = example_input(module)
 

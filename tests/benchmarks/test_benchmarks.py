@@ -113,5 +113,40 @@ def test_scaled_costs_report_calls_per_tensor_collectives_and_memory(ranks):
            "stock_vs_stock_ratio": 1.0, "pairs": 2, "stock_ms": 1.0, "safe_ms": 1.0, "profile": safe[0]["profile"],
            "memory": safe[0]["memory"], "collectives": {"stock": stock["collectives"],
                                                         "safe_zero": safe[0]["collectives"]}}
-    text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero2": row}, "scaled_machine": "test"}))
+    touched = {**row, "model": "moe_rank_dependent", "touched": {"median_ratio": 1.02, "stock_vs_stock_ratio": 1.0,
+                                                                   "pairs": 2, "stock_ms": 1.0, "safe_ms": 1.02}}
+    text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero2": row, "moe_rank_dependent/200/zero2": touched},
+                                        "scaled_machine": "test"}))
     assert "calls per tensor" in text and "B per tensor" in text
+    # The rank-dependent model's second baseline: stock made right by hand, its ratio judged against its own floor.
+    assert "| `moe_rank_dependent`, stock touching the experts each rank skips (trains right) | 189 | ZeRO-2 | 1 ms | " \
+           "1 ms | 1.020 (median of 2 pairs) | 1.000 | OVER |" in text
+
+
+def _trained(stage: int, safe: bool, touched: bool, steps: int = 2):
+    """The rank-dependent MoE's parameters after ``steps`` steps on a stock or safe_zero engine, fp32, flat."""
+    import torch
+
+    module = bodies.build("moe_rank_dependent", 200)
+    if touched:
+        bodies.touch_unused(module)
+    engine = bodies._engine(module, stage, safe)
+    x = bodies.example_input(module)
+    for _ in range(steps):
+        bodies._step(engine, x)
+    return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
+
+
+def test_stock_touching_unused_experts_trains_what_safe_zero_trains(ranks):
+    """The rank-dependent ratio's second baseline is a right one: stock ZeRO-2 with every rank touching the experts it
+    does not run (0 x sum) ends bit-identical to safe_zero on the untouched model; stock untouched does not."""
+    if flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
+        pytest.skip("stock ZeRO-2 cannot step at 2 gloo ranks on this DeepSpeed (flat_buffer_autograd): no baseline")
+    import torch
+
+    safe = ranks.run(2, _trained, stage=2, safe=True, touched=False)
+    touched = ranks.run(2, _trained, stage=2, safe=False, touched=True)
+    untouched = ranks.run(2, _trained, stage=2, safe=False, touched=False)
+    for rank in range(2):
+        assert torch.equal(touched[rank], safe[rank])
+        assert not torch.equal(untouched[rank], safe[rank])  # stock reduces one rank's experts into the other's
