@@ -1,7 +1,9 @@
 """``python -m safe_zero demo`` and ``doctor`` as a user runs them."""
 
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ import pytest
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
-from safe_zero.op_builds import STALE_AFTER_S
+from safe_zero.op_builds import STALE_AFTER_S, build_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,9 +60,14 @@ def test_doctor_probes_agree_with_the_declared_versions_and_reads_a_model():
 
 @pytest.mark.main_leg_only
 def test_doctor_json_is_stdout_alone_while_deepspeed_builds_its_op(tmp_path):
-    # An empty extensions cache: DeepSpeed builds its CPU comm op (~40 s) and prints that on stdout itself.
+    # An extensions cache without the op's library: DeepSpeed builds its CPU comm op and prints that on stdout itself.
+    # The session's compiled objects come along, so the build is a relink, not the ~35 s compile of an empty cache:
+    # the same load, ninja run and output.
+    warm = build_directory("deepspeed_shm_comm")
+    shutil.copytree(warm, tmp_path / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("*.so", "lock"))
     result = _run("doctor", "--json", TORCH_EXTENSIONS_DIR=str(tmp_path))
     assert result.returncode == 0, result.stderr
+    assert glob.glob(str(tmp_path / "deepspeed_shm_comm" / "*.so")), "DeepSpeed did not build its op"
     assert "safe_zero: building DeepSpeed's deepspeed.ops.comm.deepspeed_shm_comm_op" in result.stderr
     report = json.loads(result.stdout)  # stdout is the JSON alone
     assert report["versions"]["deepspeed"]["installed"] == str(DEEPSPEED_VERSION)
