@@ -127,7 +127,7 @@ def _trained(stage: int, safe: bool, touched: bool, steps: int = 2):
     """The rank-dependent MoE's parameters after ``steps`` steps on a stock or safe_zero engine, fp32, flat."""
     import torch
 
-    module = bodies.build("moe_rank_dependent", 200)
+    module = bodies.build("moe_rank_dependent", 60)  # 2 layers of 8 experts
     if touched:
         bodies.touch_unused(module)
     engine = bodies._engine(module, stage, safe)
