@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -264,7 +265,9 @@ def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tupl
     safe_zero, ``(False, False)`` is the A/A control that shows the harness's noise. Both engines
     live in this process from the same seed, so a pair shares the machine's state at that moment;
     which engine steps first alternates so neither gets the warmer caches. Which one is built
-    first (and so where its buffers land) is the caller's choice: run both. ``stock_touches_unused``: the stock
+    first (and so where its buffers land) is the caller's choice: run both. Each timed step starts after a full
+    garbage collection, so Python's periodic full collections (at 20,000 tensors a few hundred milliseconds, every
+    few steps) stay out of the pairs. ``stock_touches_unused``: the stock
     engines' models touch the experts their rank does not run (:func:`touch_unused`), so stock reduces what DDP's
     answer needs and trains right.
     """
@@ -286,6 +289,10 @@ def _paired_step_seconds(stage: int, pairs: int, warmup: int, safe: tuple[Any, A
     x = example_input(module)
 
     def timed_step(which: str) -> float:
+        # A full collection traverses every object either engine holds (hundreds of milliseconds at 20,000 tensors,
+        # once every few steps): done here, outside the timing, it cannot land in one engine's steps more than the
+        # other's.
+        gc.collect()
         dist.barrier()
         start = time.perf_counter()
         loss = engines[which](x)
