@@ -267,9 +267,8 @@ def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tupl
     which engine steps first alternates so neither gets the warmer caches. Which one is built
     first (and so where its buffers land) is the caller's choice: run both. Each timed step starts after a full
     garbage collection, so Python's periodic full collections (at 20,000 tensors a few hundred milliseconds, every
-    few steps) stay out of the pairs. ``stock_touches_unused``: the stock
-    engines' models touch the experts their rank does not run (:func:`touch_unused`), so stock reduces what DDP's
-    answer needs and trains right.
+    few steps) stay out of the pairs. ``stock_touches_unused``: the stock engines' models touch the experts their
+    rank does not run (:func:`touch_unused`), so stock reduces what DDP's answer needs and trains right.
     """
     import torch.distributed as dist
 
