@@ -73,14 +73,20 @@ def _median_ratio(pool: DistPool, stage: int, safe: tuple, pairs: int = PAIRS,
     return statistics.median(ratios), a_s, b_s
 
 
+def _timed_ratio(pool: DistPool, stage: int, pairs: int = PAIRS, **model: Any) -> dict:
+    """The step ratio safe_zero/stock, its stock/stock noise floor and the median step times of each."""
+    ratio, stock_s, safe_s = _median_ratio(pool, stage, (False, True), pairs, **model)
+    noise, _, _ = _median_ratio(pool, stage, (False, False), pairs, **model)
+    return {"median_ratio": ratio, "stock_vs_stock_ratio": noise, "pairs": 2 * pairs,
+            "stock_ms": 1e3 * statistics.median(stock_s), "safe_ms": 1e3 * statistics.median(safe_s)}
+
+
 def step_time_ratio(pool: DistPool, stage: int) -> dict:
-    ratio, stock_s, safe_s = _median_ratio(pool, stage, (False, True))
-    noise, _, _ = _median_ratio(pool, stage, (False, False))
+    timed = _timed_ratio(pool, stage)
     no_agreement, _, _ = _median_ratio(pool, stage, (False, NO_AGREEMENT))
     share = max(pool.run(bodies.safe_zero_share, stage=stage), key=lambda r: r["share"])
-    return {"median_ratio": ratio, "no_agreement_ratio": no_agreement, "stock_ms": 1e3 * statistics.median(stock_s),
-            "safe_ms": 1e3 * statistics.median(safe_s), "pairs": 2 * PAIRS, "stock_vs_stock_ratio": noise,
-            "safe_zero_profiled_share": share["share"], "safe_zero_calls_per_step": share["calls_per_step"]}
+    return {**timed, "no_agreement_ratio": no_agreement, "safe_zero_profiled_share": share["share"],
+            "safe_zero_calls_per_step": share["calls_per_step"]}
 
 
 def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int | None = None,
@@ -108,18 +114,11 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int 
     if not pairs:
         row["seconds"] = round(time.time() - started, 1)
         return row
-    ratio, stock_s, safe_s = _median_ratio(pool, stage, (False, True), pairs, model=model, tensors=tensors,
-                                           warmup=warmup)
-    noise, _, _ = _median_ratio(pool, stage, (False, False), pairs, model=model, tensors=tensors, warmup=warmup)
-    row.update(median_ratio=ratio, stock_vs_stock_ratio=noise, pairs=2 * pairs,
-               stock_ms=1e3 * statistics.median(stock_s), safe_ms=1e3 * statistics.median(safe_s))
+    row.update(_timed_ratio(pool, stage, pairs, model=model, tensors=tensors, warmup=warmup))
     if model == "moe_rank_dependent" and stage < 3:
         # Stock untouched skips the reductions DDP's answer needs (and trains wrong); touched, it does them too.
-        touched = {"model": model, "tensors": tensors, "warmup": warmup, "stock_touches_unused": True}
-        ratio, stock_s, safe_s = _median_ratio(pool, stage, (False, True), pairs, **touched)
-        noise, _, _ = _median_ratio(pool, stage, (False, False), pairs, **touched)
-        row["touched"] = {"median_ratio": ratio, "stock_vs_stock_ratio": noise, "pairs": 2 * pairs,
-                          "stock_ms": 1e3 * statistics.median(stock_s), "safe_ms": 1e3 * statistics.median(safe_s)}
+        row["touched"] = _timed_ratio(pool, stage, pairs, model=model, tensors=tensors, warmup=warmup,
+                                      stock_touches_unused=True)
     row["seconds"] = round(time.time() - started, 1)
     return row
 
