@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import sys
 import time
@@ -256,56 +257,61 @@ def _summarized_tensor_reprs() -> Iterator[None]:
         torch.set_printoptions(profile="default")
 
 
-def paired_step_seconds(stage: int, pairs: int = 60, warmup: int = 3, safe: tuple[Any, Any] = (False, True),
-                        b_built_first: bool = False, model: str = "wide", tensors: int = 0,
-                        stock_touches_unused: bool = False) -> list[tuple[float, float]]:
-    """``(a, b)`` seconds of ``pairs`` training steps of ``model`` (``MODELS``), taken alternately on two engines.
+#: An engine kind for :func:`stepped_seconds`: stock DeepSpeed on the model with :func:`touch_unused`, stock made
+#: right by hand where ranks run other experts.
+TOUCHED = "touched"
 
-    ``safe`` says which of engines a and b run safe_zero: ``(False, True)`` compares stock with
-    safe_zero, ``(False, False)`` is the A/A control that shows the harness's noise. Both engines
-    live in this process from the same seed, so a pair shares the machine's state at that moment;
-    which engine steps first alternates so neither gets the warmer caches. Which one is built
-    first (and so where its buffers land) is the caller's choice: run both. Each timed step starts after a full
-    garbage collection, so Python's periodic full collections (at 20,000 tensors a few hundred milliseconds, every
-    few steps) stay out of the pairs. ``stock_touches_unused``: the stock engines' models touch the experts their
-    rank does not run (:func:`touch_unused`), so stock reduces what DDP's answer needs and trains right.
+
+def stepped_seconds(stage: int, rounds: int = 60, warmup: int = 3, engines: tuple[Any, ...] = (False, False, True),
+                    built_reversed: bool = False, model: str = "wide", tensors: int = 0) -> list[tuple[float, ...]]:
+    """Per round, the seconds of one training step of ``model`` (``MODELS``) on each of ``engines``, in their order.
+
+    ``engines``: ``False`` a stock engine, :data:`TOUCHED` a stock engine on the model with :func:`touch_unused`,
+    ``True`` a safe_zero engine, a dict a safe_zero engine with that ``"safe_zero"`` block. The default gives, from
+    the same rounds, safe_zero against stock and the harness's noise floor, stock against stock: a drift in the
+    machine's load between them cannot pass for safe_zero's cost. Every engine lives in this process from the same
+    seed, so a round shares the machine's state at that moment; the engines step in every order in turn, so each goes
+    first, last and after each other one equally often. Which one is built first (and so where its buffers land) is
+    the caller's choice: run both ``built_reversed``. Each timed step starts after a full garbage collection, so
+    Python's periodic full collections (at 20,000 tensors a few hundred milliseconds, every few steps) stay out of
+    the rounds.
     """
     import torch.distributed as dist
 
     with _threads_for(model):
-        return _paired_step_seconds(stage, pairs, warmup, safe, b_built_first, model, tensors, dist,
-                                    stock_touches_unused)
+        return _stepped_seconds(stage, rounds, warmup, engines, built_reversed, model, tensors, dist)
 
 
-def _paired_step_seconds(stage: int, pairs: int, warmup: int, safe: tuple[Any, Any], b_built_first: bool,
-                         model: str, tensors: int, dist: Any, stock_touches_unused: bool) -> list[tuple[float, float]]:
-    engines = {}
-    for which in ("b", "a") if b_built_first else ("a", "b"):
+def _stepped_seconds(stage: int, rounds: int, warmup: int, engines: tuple[Any, ...], built_reversed: bool,
+                     model: str, tensors: int, dist: Any) -> list[tuple[float, ...]]:
+    built: dict[int, Any] = {}
+    for which in reversed(range(len(engines))) if built_reversed else range(len(engines)):
         module = build(model, tensors)
-        if stock_touches_unused and safe["ab".index(which)] is False:
+        kind = engines[which]
+        if kind == TOUCHED:
             touch_unused(module)
-        engines[which] = _engine(module, stage, safe["ab".index(which)])
+        built[which] = _engine(module, stage, False if kind == TOUCHED else kind)
     x = example_input(module)
+    orders = list(itertools.permutations(range(len(engines))))
 
-    def timed_step(which: str) -> float:
-        # A full collection traverses every object either engine holds (hundreds of milliseconds at 20,000 tensors,
-        # once every few steps): done here, outside the timing, it cannot land in one engine's steps more than the
-        # other's.
+    def timed_step(which: int) -> float:
+        # A full collection traverses every object the engines hold (hundreds of milliseconds at 20,000 tensors,
+        # once every few steps): done here, outside the timing, it cannot land in one engine's steps more than another's.
         gc.collect()
         dist.barrier()
         start = time.perf_counter()
-        loss = engines[which](x)
-        engines[which].backward(loss)
-        engines[which].step()
+        loss = built[which](x)
+        built[which].backward(loss)
+        built[which].step()
         return time.perf_counter() - start
 
     for _ in range(warmup):
-        for which in "ab":
+        for which in range(len(engines)):
             timed_step(which)
     times = []
-    for i in range(pairs):
-        got = {which: timed_step(which) for which in ("ab" if i % 2 == 0 else "ba")}
-        times.append((got["a"], got["b"]))
+    for i in range(rounds):
+        got = {which: timed_step(which) for which in orders[i % len(orders)]}
+        times.append(tuple(got[which] for which in range(len(engines))))
     return times
 
 

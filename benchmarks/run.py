@@ -1,9 +1,10 @@
 """``make bench``: what safe_zero costs against stock DeepSpeed, measured in the same run.
 
 Writes ``benchmarks/RESULTS.md`` (a Markdown table) and ``benchmarks/results.json``. Targets:
-step-time ratio safe/stock <= 1.01 (median of per-step-pair ratios: a stock and a safe_zero engine
-in the same 2 CPU ranks, stepping alternately, each built first in one of two runs; the same harness
-with two stock engines gives the noise floor, and cProfile the share of the step in safe_zero's code); all-gathers
+step-time ratio safe/stock <= 1.01 (median over rounds in which a stock, a second stock and a safe_zero engine
+in the same 2 CPU ranks each take a step, in every order in turn, built in order in one run and in reverse in
+another; the second stock against the first in the same rounds gives the noise floor, and cProfile the share of the
+step in safe_zero's code); all-gathers
 per step with K all-zero-sized submodules equal to K = 0; alignment
 padding <= 15 bytes per parameter; ``import safe_zero`` after ``import deepspeed`` <= 50 ms.
 
@@ -35,7 +36,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 from benchmarks import bodies  # noqa: E402
 from safe_zero.ranks import DistPool  # noqa: E402
 
-PAIRS = 100
+ROUNDS = 100
 
 #: Under CI=true the scaled models shrink to about 200 trainable tensors, to keep the run short.
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -43,10 +44,10 @@ CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: gets its step ratio, noise floor and calls per tensor, at 1,000 tensors and less.
 SCALED_MODELS = ("moe", "transformer", "moe_rank_dependent")
 SCALED_SIZES = (200,) if CI else (1000, 20000)
-#: Step pairs per run (two runs per ratio, a-first and b-first), and steps under cProfile, by size: a 20,000-tensor
-#: ZeRO-3 step takes many seconds on 2 CPU cores. At 1,000 tensors 20 pairs moved a median by +-0.03 from run to
-#: run; 80 keep it to about +-0.01 (``--pairs 60``, 120 pairs, for a ratio to record).
-SCALED_PAIRS = {200: 10, 1000: 40, 20000: 2}
+#: Rounds per run (two runs per ratio, built in order and in reverse), and steps under cProfile, by size: a
+#: 20,000-tensor ZeRO-3 step takes many seconds on 2 CPU cores. At 1,000 tensors 20 rounds moved a median by +-0.03
+#: from run to run; 80 keep it to about +-0.01 (``--rounds 60``, 120 rounds, for a ratio to record).
+SCALED_ROUNDS = {200: 10, 1000: 40, 20000: 2}
 SCALED_WARMUP = {200: 2, 1000: 2, 20000: 1}
 PROFILE_STEPS = {200: 5, 1000: 5, 20000: 2}
 SCALED_TIMEOUT = 3 * 3600.0
@@ -57,39 +58,44 @@ RESULTS_JSON = os.path.join(ROOT, "benchmarks", "results.json")
 NO_AGREEMENT = {"find_unused_parameters": False}
 
 
-def _median_ratio(pool: DistPool, stage: int, safe: tuple, pairs: int = PAIRS,
-                  **model: Any) -> tuple[float, list[float], list[float]]:
-    """Median of b/a over per-step pairs, from two runs (a built first, b built first)."""
-    ratios, a_s, b_s = [], [], []
-    for b_built_first in (False, True):
-        per_rank = pool.run(bodies.paired_step_seconds, stage=stage, pairs=pairs, safe=safe,
-                            b_built_first=b_built_first, timeout=SCALED_TIMEOUT, **model)
-        # A step is as slow as its slowest rank: combine the ranks per step, then compare within each pair.
-        a = [max(rank[i][0] for rank in per_rank) for i in range(pairs)]
-        b = [max(rank[i][1] for rank in per_rank) for i in range(pairs)]
-        ratios += [y / x for x, y in zip(a, b)]
-        a_s += a
-        b_s += b
-    return statistics.median(ratios), a_s, b_s
+def _stepped(pool: DistPool, stage: int, engines: tuple[Any, ...], rounds: int, **model: Any) -> list[list[float]]:
+    """Per engine, its step seconds in every round of two runs of ``bodies.stepped_seconds`` (built in order, then in
+    reverse); a step is as slow as its slowest rank."""
+    per_engine: list[list[float]] = [[] for _ in engines]
+    for built_reversed in (False, True):
+        per_rank = pool.run(bodies.stepped_seconds, stage=stage, rounds=rounds, engines=engines,
+                            built_reversed=built_reversed, timeout=SCALED_TIMEOUT, **model)
+        for i in range(rounds):
+            for which, seconds in enumerate(per_engine):
+                seconds.append(max(rank[i][which] for rank in per_rank))
+    return per_engine
 
 
-def _timed_ratio(pool: DistPool, stage: int, pairs: int = PAIRS, **model: Any) -> dict:
-    """The step ratio safe_zero/stock, its stock/stock noise floor and the median step times of each."""
-    ratio, stock_s, safe_s = _median_ratio(pool, stage, (False, True), pairs, **model)
-    noise, _, _ = _median_ratio(pool, stage, (False, False), pairs, **model)
-    return {"median_ratio": ratio, "stock_vs_stock_ratio": noise, "pairs": 2 * pairs,
-            "stock_ms": 1e3 * statistics.median(stock_s), "safe_ms": 1e3 * statistics.median(safe_s)}
+def _summary(against: list[float], seconds: list[float], floor: float) -> dict:
+    """``seconds`` against ``against``, round by round: the median ratio, with the run's stock/stock ``floor``."""
+    return {"median_ratio": statistics.median(b / a for a, b in zip(against, seconds)), "stock_vs_stock_ratio": floor,
+            "rounds": len(seconds), "stock_ms": 1e3 * statistics.median(against),
+            "safe_ms": 1e3 * statistics.median(seconds)}
+
+
+def _timed_ratio(pool: DistPool, stage: int, rounds: int = ROUNDS, also: tuple[Any, ...] = (),
+                 **model: Any) -> tuple[dict, list[float], list[float], list[list[float]]]:
+    """The step ratio safe_zero/stock and its stock/stock noise floor, from the same rounds of a stock, a second stock
+    and a safe_zero engine; then the stock and the safe_zero engine's seconds, and those of each engine of ``also``
+    (``bodies.stepped_seconds`` engine kinds, stepped in the same rounds)."""
+    stock, stock_again, safe, *more = _stepped(pool, stage, (False, False, True, *also), rounds, **model)
+    floor = statistics.median(b / a for a, b in zip(stock, stock_again))
+    return _summary(stock, safe, floor), stock, safe, more
 
 
 def step_time_ratio(pool: DistPool, stage: int) -> dict:
-    timed = _timed_ratio(pool, stage)
-    no_agreement, _, _ = _median_ratio(pool, stage, (False, NO_AGREEMENT))
+    timed, stock, _, (no_agreement,) = _timed_ratio(pool, stage, also=(NO_AGREEMENT,))
     share = max(pool.run(bodies.safe_zero_share, stage=stage), key=lambda r: r["share"])
-    return {**timed, "no_agreement_ratio": no_agreement, "safe_zero_profiled_share": share["share"],
-            "safe_zero_calls_per_step": share["calls_per_step"]}
+    return {**timed, "no_agreement_ratio": statistics.median(b / a for a, b in zip(stock, no_agreement)),
+            "safe_zero_profiled_share": share["share"], "safe_zero_calls_per_step": share["calls_per_step"]}
 
 
-def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int | None = None,
+def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int | None = None,
                costs: bool = True) -> dict:
     """One scaled model at one stage: collectives (first and later steps, stock and safe_zero), the memory safe_zero's
     code holds, safe_zero's calls per tensor under cProfile (``costs``), then the step ratio and its stock/stock
@@ -110,15 +116,17 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, pairs: int 
         row["profile"] = max(pool.run(bodies.safe_zero_share, stage=stage, model=model, tensors=tensors,
                                       steps=PROFILE_STEPS[tensors], warmup=SCALED_WARMUP[tensors],
                                       timeout=SCALED_TIMEOUT), key=lambda p: p["share"])
-    pairs, warmup = SCALED_PAIRS[tensors] if pairs is None else pairs, SCALED_WARMUP[tensors]
-    if not pairs:
+    rounds, warmup = SCALED_ROUNDS[tensors] if rounds is None else rounds, SCALED_WARMUP[tensors]
+    if not rounds:
         row["seconds"] = round(time.time() - started, 1)
         return row
-    row.update(_timed_ratio(pool, stage, pairs, model=model, tensors=tensors, warmup=warmup))
-    if model == "moe_rank_dependent" and stage < 3:
-        # Stock untouched skips the reductions DDP's answer needs (and trains wrong); touched, it does them too.
-        row["touched"] = _timed_ratio(pool, stage, pairs, model=model, tensors=tensors, warmup=warmup,
-                                      stock_touches_unused=True)
+    # Stock untouched skips the reductions DDP's answer needs where ranks run other experts (it trains wrong);
+    # touched, it does them too: both are timed against safe_zero, in the same rounds.
+    touched = (bodies.TOUCHED,) if model == "moe_rank_dependent" and stage < 3 else ()
+    timed, _, safe, more = _timed_ratio(pool, stage, rounds, also=touched, model=model, tensors=tensors, warmup=warmup)
+    row.update(timed)
+    if touched:
+        row["touched"] = _summary(more[0], safe, timed["stock_vs_stock_ratio"])
     row["seconds"] = round(time.time() - started, 1)
     return row
 
@@ -191,7 +199,7 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
             if model == "moe_rank_dependent" and tensors > 1000:
                 continue  # its ratio is checked at the smaller sizes: 20,000 tensors cost minutes per step
             for stage in map(int, args.stages.split(",")):
-                row = scaled_row(pool, model, tensors, stage, args.pairs, costs=not args.ratio_only)
+                row = scaled_row(pool, model, tensors, stage, args.rounds, costs=not args.ratio_only)
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
                 scaled[f"{model}/{tensors}/zero{stage}"] = row
                 print(json.dumps({k: v for k, v in row.items() if k != "collectives"})[:2000], flush=True)
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--record", metavar="LABEL", help="also keep this run's scaled rows in RESULTS.md under "
                         "'LABEL, <date>' (later runs keep it)")
-    parser.add_argument("--pairs", type=int, help="scaled models: step pairs per run (default by size; 0: no ratio)")
+    parser.add_argument("--rounds", type=int, help="scaled models: rounds per run (default by size; 0: no ratio)")
     parser.add_argument("--ratio-only", action="store_true", help="scaled models: the step ratio and its noise floor "
                         "alone (no collectives, memory or profile)")
     parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
@@ -252,7 +260,7 @@ def render(results: dict) -> None:
              "| measure | stock | safe_zero | ratio / value | target |", "|---|---|---|---|---|"]
     for stage, r in results["step_time"].items():
         lines.append(f"| step time, {stage}, control model | {r['stock_ms']:.2f} ms | {r['safe_ms']:.2f} ms | "
-                     f"{r['median_ratio']:.3f} (median of {r['pairs']} step pairs; stock vs stock in the same "
+                     f"{r['median_ratio']:.3f} (median of {_timed_steps(r)}; stock vs stock in the same "
                      f"harness: {r['stock_vs_stock_ratio']:.3f}) | <= 1.01 |")
         lines.append(f"| step time, {stage}, control model, `\"find_unused_parameters\": false` (no rank agreement) "
                      "| | "
@@ -302,6 +310,12 @@ def render(results: dict) -> None:
     print("\n".join(lines))
 
 
+def _timed_steps(r: dict) -> str:
+    if "rounds" in r:
+        return f"{r['rounds']} rounds of a stock, a second stock and a safe_zero step, in the same rounds"
+    return f"{r['pairs']} step pairs"
+
+
 def _kinds(counts: dict) -> dict[str, int]:
     return {k: n for k, n in counts.items() if not k.endswith("_bytes")}
 
@@ -332,8 +346,9 @@ def _later(stock: list[dict], safe: list[dict]) -> str:
 
 def _timed(r: dict, load: str) -> str:
     within = "within" if r["median_ratio"] <= r["stock_vs_stock_ratio"] + 0.01 else "OVER"
-    return (f"{r['stock_ms']:.0f} ms | {r['safe_ms']:.0f} ms | {r['median_ratio']:.3f} (median of {r['pairs']} "
-            f"pairs{load}) | {r['stock_vs_stock_ratio']:.3f} | {within}")
+    timed = f"{r['rounds']} rounds" if "rounds" in r else f"{r['pairs']} pairs"
+    return (f"{r['stock_ms']:.0f} ms | {r['safe_ms']:.0f} ms | {r['median_ratio']:.3f} (median of {timed}{load}) | "
+            f"{r['stock_vs_stock_ratio']:.3f} | {within}")
 
 
 def _scaled_tables(rows: dict) -> list[str]:
@@ -398,10 +413,17 @@ def _scaled_tables(rows: dict) -> list[str]:
     return lines
 
 
+#: How a table's step ratios were timed: rows with ``rounds`` by ``bodies.stepped_seconds``, older ones (``pairs``) by
+#: two engines stepping alternately, the noise floor in runs of its own.
+ROUNDS_NOTE = ("Each row: the step ratio is the median over rounds in which a stock, a second stock and a safe_zero "
+               "engine each take one step in the same 2 ranks, in every order in turn (two runs, built in order and "
+               "in reverse), of safe_zero's step over stock's; the noise floor is the second stock's over stock's in "
+               "the same rounds")
+PAIRS_NOTE = ("Each row: the step ratio is the median over per-step pairs of a stock and a safe_zero engine stepping "
+              "alternately in the same 2 ranks (two runs, each engine built first in one), the noise floor the same "
+              "harness with two stock engines, in runs of its own")
 SCALED_NOTES = (
-    "Each row: the step ratio is the median over per-step pairs of a stock and a safe_zero engine stepping "
-    "alternately in the same 2 ranks (two runs, each engine built first in one), the noise floor the same harness "
-    "with two stock engines; calls and share come from cProfile on a safe_zero engine (functions whose file is under "
+    "; calls and share come from cProfile on a safe_zero engine (functions whose file is under "
     "safe_zero/; the share is their own time over the profiled step's, an upper bound); collectives are counted at "
     "DeepSpeed's comm backend over 3 steps, bytes being each call's first tensor argument (an all_gather's output "
     "list); the state is the deep size (`sys.getsizeof` over containers, parameters counted as references) of "
@@ -418,17 +440,28 @@ SCALED_NOTES = (
     "tests/benchmarks), which does the reductions DDP's answer needs, as safe_zero does.")
 
 
+def _timing_note(rows: dict) -> str:
+    timed = [r for r in rows.values() if "median_ratio" in r]
+    if all("rounds" in r for r in timed):
+        return ROUNDS_NOTE
+    if not any("rounds" in r for r in timed):
+        return PAIRS_NOTE
+    return (f"{ROUNDS_NOTE} (rows timed so: their ratio says 'rounds'); the rows that say 'pairs' were timed before "
+            f"that: {PAIRS_NOTE[len('Each row: '):]}")
+
+
 def scaled_lines(results: dict) -> list[str]:
     lines: list[str] = []
     history = results.get("scaled_history", [])
     current = results.get("scaled") or {}
     if current and not (history and history[-1]["rows"] == current):
         lines += ["", "## Scaled models: safe_zero's cost per trainable tensor", "",
-                  f"Machine: {results.get('scaled_machine')}. Written by `make bench`. {SCALED_NOTES}", ""]
+                  f"Machine: {results.get('scaled_machine')}. Written by `make bench`. {_timing_note(current)}"
+                  f"{SCALED_NOTES}", ""]
         lines += _scaled_tables(current)
     for entry in reversed(history):
         lines += ["", f"## Scaled models, {entry['label']}", "",
-                  f"Machine: {entry.get('machine')}. {SCALED_NOTES}", ""]
+                  f"Machine: {entry.get('machine')}. {_timing_note(entry['rows'])}{SCALED_NOTES}", ""]
         lines += _scaled_tables(entry["rows"])
     return lines
 

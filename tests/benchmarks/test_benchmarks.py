@@ -1,7 +1,7 @@
 """The benchmark code keeps working: the bodies ``make bench`` runs, at sizes a test can afford.
 
-Numbers are not asserted here (timed tests are noise); properties are: the paired timing returns
-one pair per step, the all-gather count with all-zero-sized submodules equals the count without,
+Numbers are not asserted here (timed tests are noise); properties are: the timing returns one
+step per engine per round, the all-gather count with all-zero-sized submodules equals the count without,
 safe_zero's flat order puts every grouped_mm weight on the grid with no padding, and the scaled
 models (at the CI=true size, about 200 tensors) have the tensor counts their tables name and
 report calls per tensor, collectives and memory.
@@ -19,14 +19,16 @@ pytestmark = pytest.mark.main_leg_only
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_paired_step_seconds_times_both_engines_per_step(ranks, stage):
+def test_stepped_seconds_times_every_engine_each_round(ranks, stage):
     if stage == 2 and flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
         pytest.skip("stock ZeRO-2 cannot step at 2 gloo ranks on this DeepSpeed (flat_buffer_autograd): no baseline")
-    per_rank = ranks.run(2, bodies.paired_step_seconds, stage=stage, pairs=3, warmup=1, b_built_first=True)
+    engines = (False, False, True, {"find_unused_parameters": False})
+    per_rank = ranks.run(2, bodies.stepped_seconds, stage=stage, rounds=3, warmup=1, engines=engines,
+                         built_reversed=True)
     assert len(per_rank) == 2
-    for pairs in per_rank:
-        assert len(pairs) == 3
-        assert all(stock > 0 and safe > 0 for stock, safe in pairs)
+    for rounds in per_rank:
+        assert len(rounds) == 3
+        assert all(len(steps) == len(engines) and min(steps) > 0 for steps in rounds)
 
 
 def test_all_gathers_per_step_equal_with_and_without_empty_submodules(ranks):
@@ -110,17 +112,18 @@ def test_scaled_costs_report_calls_per_tensor_collectives_and_memory(ranks):
     first_added = safe[0]["collectives"][0]["all_reduce_bytes"] - stock["collectives"][0]["all_reduce_bytes"]
     assert first_added == 189
     row = {"model": "moe", "size": 200, "stage": 2, **bodies.describe("moe", 200), "median_ratio": 1.0,
-           "stock_vs_stock_ratio": 1.0, "pairs": 2, "stock_ms": 1.0, "safe_ms": 1.0, "profile": safe[0]["profile"],
+           "stock_vs_stock_ratio": 1.0, "rounds": 2, "stock_ms": 1.0, "safe_ms": 1.0, "profile": safe[0]["profile"],
            "memory": safe[0]["memory"], "collectives": {"stock": stock["collectives"],
                                                         "safe_zero": safe[0]["collectives"]}}
     touched = {**row, "model": "moe_rank_dependent", "touched": {"median_ratio": 1.02, "stock_vs_stock_ratio": 1.0,
-                                                                   "pairs": 2, "stock_ms": 1.0, "safe_ms": 1.02}}
+                                                                   "rounds": 2, "stock_ms": 1.0, "safe_ms": 1.02}}
     text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero2": row, "moe_rank_dependent/200/zero2": touched},
                                         "scaled_machine": "test"}))
     assert "calls per tensor" in text and "B per tensor" in text
-    # The rank-dependent model's second baseline: stock made right by hand, its ratio judged against its own floor.
+    assert run.ROUNDS_NOTE in text and run.PAIRS_NOTE not in text
+    # The rank-dependent model's second baseline: stock made right by hand, timed in the same rounds.
     assert "| `moe_rank_dependent`, stock touching the experts each rank skips (trains right) | 189 | ZeRO-2 | 1 ms | " \
-           "1 ms | 1.020 (median of 2 pairs) | 1.000 | OVER |" in text
+           "1 ms | 1.020 (median of 2 rounds) | 1.000 | OVER |" in text
 
 
 def _trained(stage: int, safe: bool, touched: bool, steps: int = 2):
@@ -151,6 +154,6 @@ def test_stock_touching_unused_experts_trains_what_safe_zero_trains(ranks):
         assert torch.equal(touched[rank], safe[rank])
         assert not torch.equal(untouched[rank], safe[rank])  # stock reduces one rank's experts into the other's
     # The bench's timing of it: a stock engine on the touched model against a safe_zero one on the model as it is.
-    timed = ranks.run(2, bodies.paired_step_seconds, stage=2, pairs=2, warmup=1, model="moe_rank_dependent",
-                      tensors=60, stock_touches_unused=True)
-    assert [len(pairs) for pairs in timed] == [2, 2]
+    timed = ranks.run(2, bodies.stepped_seconds, stage=2, rounds=2, warmup=1, model="moe_rank_dependent",
+                      tensors=60, engines=(bodies.TOUCHED, True))
+    assert [len(rounds) for rounds in timed] == [2, 2]
