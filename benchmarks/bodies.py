@@ -263,7 +263,7 @@ TOUCHED = "touched"
 
 
 def stepped_seconds(stage: int, rounds: int = 60, warmup: int = 3, engines: tuple[Any, ...] = (False, False, True),
-                    built_reversed: bool = False, model: str = "wide", tensors: int = 0) -> list[tuple[float, ...]]:
+                    built_first: int = 0, model: str = "wide", tensors: int = 0) -> list[tuple[float, ...]]:
     """Per round, the seconds of one training step of ``model`` (``MODELS``) on each of ``engines``, in their order.
 
     ``engines``: ``False`` a stock engine, :data:`TOUCHED` a stock engine on the model with :func:`touch_unused`,
@@ -271,21 +271,22 @@ def stepped_seconds(stage: int, rounds: int = 60, warmup: int = 3, engines: tupl
     the same rounds, safe_zero against stock and the harness's noise floor, stock against stock: a drift in the
     machine's load between them cannot pass for safe_zero's cost. Every engine lives in this process from the same
     seed, so a round shares the machine's state at that moment; the engines step in every order in turn, so each goes
-    first, last and after each other one equally often. Which one is built first (and so where its buffers land) is
-    the caller's choice: run both ``built_reversed``. Each timed step starts after a full garbage collection, so
+    first, last and after each other one equally often. They are built from ``engines[built_first]`` on, wrapping
+    round (where its buffers land depends on it): run every ``built_first``, so each is built in each place once.
+    Each timed step starts after a full garbage collection, so
     Python's periodic full collections (at 20,000 tensors a few hundred milliseconds, every few steps) stay out of
     the rounds.
     """
     import torch.distributed as dist
 
     with _threads_for(model):
-        return _stepped_seconds(stage, rounds, warmup, engines, built_reversed, model, tensors, dist)
+        return _stepped_seconds(stage, rounds, warmup, engines, built_first, model, tensors, dist)
 
 
-def _stepped_seconds(stage: int, rounds: int, warmup: int, engines: tuple[Any, ...], built_reversed: bool,
+def _stepped_seconds(stage: int, rounds: int, warmup: int, engines: tuple[Any, ...], built_first: int,
                      model: str, tensors: int, dist: Any) -> list[tuple[float, ...]]:
     built: dict[int, Any] = {}
-    for which in reversed(range(len(engines))) if built_reversed else range(len(engines)):
+    for which in ((built_first + k) % len(engines) for k in range(len(engines))):
         module = build(model, tensors)
         kind = engines[which]
         if kind == TOUCHED:

@@ -2,9 +2,9 @@
 
 Writes ``benchmarks/RESULTS.md`` (a Markdown table) and ``benchmarks/results.json``. Targets:
 step-time ratio safe/stock <= 1.01 (median over rounds in which a stock, a second stock and a safe_zero engine
-in the same 2 CPU ranks each take a step, in every order in turn, built in order in one run and in reverse in
-another; the second stock against the first in the same rounds gives the noise floor, and cProfile the share of the
-step in safe_zero's code); all-gathers
+in the same 2 CPU ranks each take a step, in every order in turn, one run per engine built first; the second stock
+against the first in the same rounds gives the noise floor, and cProfile the share of the step in safe_zero's
+code); all-gathers
 per step with K all-zero-sized submodules equal to K = 0; alignment
 padding <= 15 bytes per parameter; ``import safe_zero`` after ``import deepspeed`` <= 50 ms.
 
@@ -36,7 +36,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 from benchmarks import bodies  # noqa: E402
 from safe_zero.ranks import DistPool  # noqa: E402
 
-ROUNDS = 100
+ROUNDS = 60
 
 #: Under CI=true the scaled models shrink to about 200 trainable tensors, to keep the run short.
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -44,9 +44,9 @@ CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: gets its step ratio, noise floor and calls per tensor, at 1,000 tensors and less.
 SCALED_MODELS = ("moe", "transformer", "moe_rank_dependent")
 SCALED_SIZES = (200,) if CI else (1000, 20000)
-#: Rounds per run (two runs per ratio, built in order and in reverse), and steps under cProfile, by size: a
-#: 20,000-tensor ZeRO-3 step takes many seconds on 2 CPU cores. At 1,000 tensors 20 rounds moved a median by +-0.03
-#: from run to run; 80 keep it to about +-0.01 (``--rounds 60``, 120 rounds, for a ratio to record).
+#: Rounds per run (one run per engine, each built first in one: 3 runs, 4 with a fourth engine), and steps under
+#: cProfile, by size: a 20,000-tensor ZeRO-3 step takes many seconds on 2 CPU cores. At 1,000 tensors a median of 40
+#: step pairs moved by +-0.03 from run to run, one of 160 by about +-0.01 (``--rounds 40``: 120 rounds).
 SCALED_ROUNDS = {200: 10, 1000: 40, 20000: 2}
 SCALED_WARMUP = {200: 2, 1000: 2, 20000: 1}
 PROFILE_STEPS = {200: 5, 1000: 5, 20000: 2}
@@ -59,12 +59,12 @@ NO_AGREEMENT = {"find_unused_parameters": False}
 
 
 def _stepped(pool: DistPool, stage: int, engines: tuple[Any, ...], rounds: int, **model: Any) -> list[list[float]]:
-    """Per engine, its step seconds in every round of two runs of ``bodies.stepped_seconds`` (built in order, then in
-    reverse); a step is as slow as its slowest rank."""
+    """Per engine, its step seconds in every round of one run of ``bodies.stepped_seconds`` per engine, each built
+    first in one; a step is as slow as its slowest rank."""
     per_engine: list[list[float]] = [[] for _ in engines]
-    for built_reversed in (False, True):
+    for built_first in range(len(engines)):
         per_rank = pool.run(bodies.stepped_seconds, stage=stage, rounds=rounds, engines=engines,
-                            built_reversed=built_reversed, timeout=SCALED_TIMEOUT, **model)
+                            built_first=built_first, timeout=SCALED_TIMEOUT, **model)
         for i in range(rounds):
             for which, seconds in enumerate(per_engine):
                 seconds.append(max(rank[i][which] for rank in per_rank))
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--record", metavar="LABEL", help="also keep this run's scaled rows in RESULTS.md under "
                         "'LABEL, <date>' (later runs keep it)")
-    parser.add_argument("--rounds", type=int, help="scaled models: rounds per run (default by size; 0: no ratio)")
+    parser.add_argument("--rounds", type=int, help="scaled models: rounds per run, one run per engine (default by "
+                                                   "size; 0: no ratio)")
     parser.add_argument("--ratio-only", action="store_true", help="scaled models: the step ratio and its noise floor "
                         "alone (no collectives, memory or profile)")
     parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
@@ -416,8 +417,8 @@ def _scaled_tables(rows: dict) -> list[str]:
 #: How a table's step ratios were timed: rows with ``rounds`` by ``bodies.stepped_seconds``, older ones (``pairs``) by
 #: two engines stepping alternately, the noise floor in runs of its own.
 ROUNDS_NOTE = ("Each row: the step ratio is the median over rounds in which a stock, a second stock and a safe_zero "
-               "engine each take one step in the same 2 ranks, in every order in turn (two runs, built in order and "
-               "in reverse), of safe_zero's step over stock's; the noise floor is the second stock's over stock's in "
+               "engine each take one step in the same 2 ranks, in every order in turn (one run per engine, each built "
+               "first in one), of safe_zero's step over stock's; the noise floor is the second stock's over stock's in "
                "the same rounds")
 PAIRS_NOTE = ("Each row: the step ratio is the median over per-step pairs of a stock and a safe_zero engine stepping "
               "alternately in the same 2 ranks (two runs, each engine built first in one), the noise floor the same "

@@ -24,7 +24,7 @@ def test_stepped_seconds_times_every_engine_each_round(ranks, stage):
         pytest.skip("stock ZeRO-2 cannot step at 2 gloo ranks on this DeepSpeed (flat_buffer_autograd): no baseline")
     engines = (False, False, True, {"find_unused_parameters": False})
     per_rank = ranks.run(2, bodies.stepped_seconds, stage=stage, rounds=3, warmup=1, engines=engines,
-                         built_reversed=True)
+                         built_first=2)
     assert len(per_rank) == 2
     for rounds in per_rank:
         assert len(rounds) == 3
