@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -71,25 +72,39 @@ def _stepped(pool: DistPool, stage: int, engines: tuple[Any, ...], rounds: int, 
     return per_engine
 
 
-def _summary(against: list[float], seconds: list[float], floor: float) -> dict:
-    """``seconds`` against ``against``, round by round: the median ratio, with the run's stock/stock ``floor``."""
-    return {"median_ratio": statistics.median(b / a for a, b in zip(against, seconds)), "stock_vs_stock_ratio": floor,
-            "rounds": len(seconds), "stock_ms": 1e3 * statistics.median(against),
-            "safe_ms": 1e3 * statistics.median(seconds)}
+def _summary(against: list[float], seconds: list[float], stock: list[float], stock_again: list[float]) -> dict:
+    """``seconds`` against ``against``, round by round: the median ratio, the noise floor (``stock_again`` against
+    ``stock``, the same rounds), the 95 % interval of their difference, and every round's milliseconds."""
+    ratios = [b / a for a, b in zip(against, seconds)]
+    floors = [b / a for a, b in zip(stock, stock_again)]
+    return {"median_ratio": statistics.median(ratios), "stock_vs_stock_ratio": statistics.median(floors),
+            "gap_ci95": _gap_interval(ratios, floors), "rounds": len(seconds),
+            "stock_ms": 1e3 * statistics.median(against), "safe_ms": 1e3 * statistics.median(seconds),
+            "round_ms": {name: [round(1e3 * t, 3) for t in series] for name, series in
+                         (("against", against), ("seconds", seconds), ("stock", stock), ("stock_again", stock_again))}}
+
+
+def _gap_interval(ratios: list[float], floors: list[float], resamples: int = 2000) -> list[float]:
+    """95 % bootstrap interval of median(ratios) - median(floors), resampling whole rounds (a round keeps its ratio
+    and its floor): how far a run's ratio may sit from its floor by the rounds' noise alone."""
+    draw, n = random.Random(0), len(ratios)
+    gaps = sorted(statistics.median(ratios[i] for i in picked) - statistics.median(floors[i] for i in picked)
+                  for picked in (draw.choices(range(n), k=n) for _ in range(resamples)))
+    return [gaps[int(0.025 * resamples)], gaps[int(0.975 * resamples) - 1]]
 
 
 def _timed_ratio(pool: DistPool, stage: int, rounds: int = ROUNDS, also: tuple[Any, ...] = (),
-                 **model: Any) -> tuple[dict, list[float], list[float], list[list[float]]]:
-    """The step ratio safe_zero/stock and its stock/stock noise floor, from the same rounds of a stock, a second stock
-    and a safe_zero engine; then the stock and the safe_zero engine's seconds, and those of each engine of ``also``
+                 **model: Any) -> tuple[dict, list[list[float]]]:
+    """The step ratio safe_zero/stock and its stock/stock noise floor (:func:`_summary`), from the same rounds of a
+    stock, a second stock and a safe_zero engine; then every engine's seconds: those three and each of ``also``
     (``bodies.stepped_seconds`` engine kinds, stepped in the same rounds)."""
-    stock, stock_again, safe, *more = _stepped(pool, stage, (False, False, True, *also), rounds, **model)
-    floor = statistics.median(b / a for a, b in zip(stock, stock_again))
-    return _summary(stock, safe, floor), stock, safe, more
+    series = _stepped(pool, stage, (False, False, True, *also), rounds, **model)
+    stock, stock_again, safe = series[:3]
+    return _summary(stock, safe, stock, stock_again), series
 
 
 def step_time_ratio(pool: DistPool, stage: int) -> dict:
-    timed, stock, _, (no_agreement,) = _timed_ratio(pool, stage, also=(NO_AGREEMENT,))
+    timed, (stock, _, _, no_agreement) = _timed_ratio(pool, stage, also=(NO_AGREEMENT,))
     share = max(pool.run(bodies.safe_zero_share, stage=stage), key=lambda r: r["share"])
     return {**timed, "no_agreement_ratio": statistics.median(b / a for a, b in zip(stock, no_agreement)),
             "safe_zero_profiled_share": share["share"], "safe_zero_calls_per_step": share["calls_per_step"]}
@@ -123,10 +138,11 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int
     # Stock untouched skips the reductions DDP's answer needs where ranks run other experts (it trains wrong);
     # touched, it does them too: both are timed against safe_zero, in the same rounds.
     touched = (bodies.TOUCHED,) if model == "moe_rank_dependent" and stage < 3 else ()
-    timed, _, safe, more = _timed_ratio(pool, stage, rounds, also=touched, model=model, tensors=tensors, warmup=warmup)
+    timed, series = _timed_ratio(pool, stage, rounds, also=touched, model=model, tensors=tensors, warmup=warmup)
     row.update(timed)
     if touched:
-        row["touched"] = _summary(more[0], safe, timed["stock_vs_stock_ratio"])
+        stock, stock_again, safe, stock_touching = series
+        row["touched"] = _summary(stock_touching, safe, stock, stock_again)
     row["seconds"] = round(time.time() - started, 1)
     return row
 
@@ -346,7 +362,10 @@ def _later(stock: list[dict], safe: list[dict]) -> str:
 
 
 def _timed(r: dict, load: str) -> str:
-    within = "within" if r["median_ratio"] <= r["stock_vs_stock_ratio"] + 0.01 else "OVER"
+    gap = r["median_ratio"] - r["stock_vs_stock_ratio"]
+    within = "within" if gap <= 0.01 else "OVER"
+    if "gap_ci95" in r:  # timed in rounds: how far from the floor the rounds' noise alone could put it
+        within += f" ({gap:+.3f}, 95 % interval {r['gap_ci95'][0]:+.3f} to {r['gap_ci95'][1]:+.3f})"
     timed = f"{r['rounds']} rounds" if "rounds" in r else f"{r['pairs']} pairs"
     return (f"{r['stock_ms']:.0f} ms | {r['safe_ms']:.0f} ms | {r['median_ratio']:.3f} (median of {timed}{load}) | "
             f"{r['stock_vs_stock_ratio']:.3f} | {within}")
@@ -360,8 +379,8 @@ def _scaled_tables(rows: dict) -> list[str]:
     lines += [f"- `{model}` at {size}: {r['shape']}: {r['tensors']} tensors, {r['elements']:,} elements"
               for (model, size), r in models.items()]
     lines += ["", "| model | tensors | stage | stock | safe_zero | ratio safe/stock | noise floor stock/stock "
-              "| ratio target (floor + 0.01) | safe_zero calls per step | calls per tensor (target <= 3) "
-              "| profiled share (target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| ratio target (floor + 0.01; ratio - floor, its 95 % interval) | safe_zero calls per step "
+              "| calls per tensor (target <= 3) | profiled share (target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["profile"]
         load = f", load {r['load']:.0f}" if "load" in r else ""

@@ -115,15 +115,16 @@ def test_scaled_costs_report_calls_per_tensor_collectives_and_memory(ranks):
            "stock_vs_stock_ratio": 1.0, "rounds": 2, "stock_ms": 1.0, "safe_ms": 1.0, "profile": safe[0]["profile"],
            "memory": safe[0]["memory"], "collectives": {"stock": stock["collectives"],
                                                         "safe_zero": safe[0]["collectives"]}}
-    touched = {**row, "model": "moe_rank_dependent", "touched": {"median_ratio": 1.02, "stock_vs_stock_ratio": 1.0,
-                                                                   "rounds": 2, "stock_ms": 1.0, "safe_ms": 1.02}}
+    touched = {**row, "model": "moe_rank_dependent",
+               "touched": {"median_ratio": 1.02, "stock_vs_stock_ratio": 1.0, "gap_ci95": [0.005, 0.031], "rounds": 2,
+                           "stock_ms": 1.0, "safe_ms": 1.02}}
     text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero2": row, "moe_rank_dependent/200/zero2": touched},
                                         "scaled_machine": "test"}))
     assert "calls per tensor" in text and "B per tensor" in text
     assert run.ROUNDS_NOTE in text and run.PAIRS_NOTE not in text
     # The rank-dependent model's second baseline: stock made right by hand, timed in the same rounds.
     assert "| `moe_rank_dependent`, stock touching the experts each rank skips (trains right) | 189 | ZeRO-2 | 1 ms | " \
-           "1 ms | 1.020 (median of 2 rounds) | 1.000 | OVER |" in text
+           "1 ms | 1.020 (median of 2 rounds) | 1.000 | OVER (+0.020, 95 % interval +0.005 to +0.031) |" in text
 
 
 def _trained(stage: int, safe: bool, touched: bool, steps: int = 2):
@@ -157,3 +158,22 @@ def test_stock_touching_unused_experts_trains_what_safe_zero_trains(ranks):
     timed = ranks.run(2, bodies.stepped_seconds, stage=2, rounds=2, warmup=1, model="moe_rank_dependent",
                       tensors=60, engines=(bodies.TOUCHED, True))
     assert [len(rounds) for rounds in timed] == [2, 2]
+
+
+def test_gap_interval_brackets_a_known_gap_and_narrows_with_more_rounds():
+    """The 95 % interval of ratio - floor, by resampling rounds: it holds the gap the rounds were drawn with, and more
+    rounds narrow it."""
+    import random
+
+    from benchmarks import run
+
+    draw = random.Random(1)
+    widths = []
+    for n in (40, 640):
+        floors = [draw.gauss(1.0, 0.05) for _ in range(n)]
+        ratios = [draw.gauss(1.02, 0.05) for _ in range(n)]
+        low, high = run._gap_interval(ratios, floors)
+        assert low < 0.02 < high
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 2
+    assert run._gap_interval([1.0] * 5, [1.0] * 5) == [0.0, 0.0]
