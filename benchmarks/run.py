@@ -208,6 +208,12 @@ def measure_control(pool: DistPool) -> dict:
     }
 
 
+def _printable(row: dict) -> dict:
+    """A row without its bulk (collectives per step, every round's milliseconds), for the log."""
+    return {k: _printable(v) if isinstance(v, dict) else v for k, v in row.items()
+            if k not in ("collectives", "round_ms")}
+
+
 def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> None:
     scaled = results.setdefault("scaled", {})
     for tensors in map(int, args.sizes.split(",")):
@@ -218,7 +224,7 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
                 row = scaled_row(pool, model, tensors, stage, args.rounds, costs=not args.ratio_only)
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
                 scaled[f"{model}/{tensors}/zero{stage}"] = row
-                print(json.dumps({k: v for k, v in row.items() if k != "collectives"})[:2000], flush=True)
+                print(json.dumps(_printable(row))[:2000], flush=True)
                 _save(results)  # a long run keeps what it measured so far
 
 
