@@ -223,7 +223,10 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
             for stage in map(int, args.stages.split(",")):
                 row = scaled_row(pool, model, tensors, stage, args.rounds, costs=not args.ratio_only)
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-                scaled[f"{model}/{tensors}/zero{stage}"] = row
+                key = f"{model}/{tensors}/zero{stage}"
+                if args.ratio_only and key in scaled:  # keep the row's costs, take its new timing
+                    row = {**{k: v for k, v in scaled[key].items() if k not in ("pairs", "touched")}, **row}
+                scaled[key] = row
                 print(json.dumps(_printable(row))[:2000], flush=True)
                 _save(results)  # a long run keeps what it measured so far
 
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="scaled models: rounds per run, one run per engine (default by "
                                                    "size; 0: no ratio)")
     parser.add_argument("--ratio-only", action="store_true", help="scaled models: the step ratio and its noise floor "
-                        "alone (no collectives, memory or profile)")
+                        "alone (no collectives, memory or profile: a row measured before keeps those)")
     parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
                         "--record: keep the scaled rows there under the label)")
     parser.add_argument("--results", default=RESULTS_JSON, help="the JSON file to read and write")
@@ -388,11 +391,12 @@ def _scaled_tables(rows: dict) -> list[str]:
               "| ratio target (floor + 0.01; ratio - floor, its 95 % interval) | safe_zero calls per step "
               "| calls per tensor (target <= 3) | profiled share (target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p = r["profile"]
         load = f", load {r['load']:.0f}" if "load" in r else ""
         timed = _timed(r, load) if "median_ratio" in r else f"not timed{load} | | | |"
-        lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {timed} | {p['calls_per_step']:.0f} | "
-                     f"{p['calls_per_step'] / r['tensors']:.2f} | {100 * p['share']:.2f} % ({p['steps']} steps) |")
+        p = r.get("profile")
+        profiled = (f"{p['calls_per_step']:.0f} | {p['calls_per_step'] / r['tensors']:.2f} | {100 * p['share']:.2f} % "
+                    f"({p['steps']} steps)" if p else "not profiled | |")
+        lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {timed} | {profiled} |")
         if "touched" in r:
             lines.append(f"| `{r['model']}`, stock touching the experts each rank skips (trains right) | "
                          f"{r['tensors']} | ZeRO-{r['stage']} | {_timed(r['touched'], load)} | | | |")
@@ -409,7 +413,7 @@ def _scaled_tables(rows: dict) -> list[str]:
                      f"{total} B, {total / r['tensors']:.1f} B per tensor | {_later(stock, safe)} | "
                      f"{m['peak_bytes'] / 1024:.0f} KiB, {m['bytes_per_tensor']:.0f} B per tensor ({m['peak_at']}) |")
     # safe_zero's functions by calls per tensor per step, one column per model and stage.
-    columns = [r for r in rows]
+    columns = [r for r in rows if "profile" in r]
     calls: dict[str, dict[int, tuple[float, float]]] = {}
     for i, r in enumerate(columns):
         for f in r["profile"]["functions"]:

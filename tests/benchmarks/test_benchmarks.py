@@ -177,3 +177,14 @@ def test_gap_interval_brackets_a_known_gap_and_narrows_with_more_rounds():
         widths.append(high - low)
     assert widths[1] < widths[0] / 2
     assert run._gap_interval([1.0] * 5, [1.0] * 5) == [0.0, 0.0]
+
+
+def test_a_timed_row_without_a_profile_renders():
+    """A ratio-only row measured for the first time (no calls, collectives or state) still renders, as not profiled."""
+    from benchmarks import run
+
+    row = {"model": "moe", "size": 200, "stage": 3, **bodies.describe("moe", 200), "median_ratio": 1.004,
+           "stock_vs_stock_ratio": 1.0, "gap_ci95": [-0.01, 0.02], "rounds": 6, "stock_ms": 5.0, "safe_ms": 5.02}
+    text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero3": row}, "scaled_machine": "test"}))
+    assert "| `moe` | 189 | ZeRO-3 | 5 ms | 5 ms | 1.004 (median of 6 rounds) | 1.000 | within (+0.004, 95 % interval " \
+           "-0.010 to +0.020) | not profiled | | |" in text
