@@ -37,7 +37,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 from benchmarks import bodies  # noqa: E402
 from safe_zero.ranks import DistPool  # noqa: E402
 
-ROUNDS = 60
+#: The control model: rounds per run and runs per engine.
+ROUNDS = 12
+BUILDS = 4
 
 #: Under CI=true the scaled models shrink to about 200 trainable tensors, to keep the run short.
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -45,10 +47,11 @@ CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: gets its step ratio, noise floor and calls per tensor, at 1,000 tensors and less.
 SCALED_MODELS = ("moe", "transformer", "moe_rank_dependent")
 SCALED_SIZES = (200,) if CI else (1000, 20000)
-#: Rounds per run (one run per engine, each built first in one: 3 runs, 4 with a fourth engine), and steps under
-#: cProfile, by size: a 20,000-tensor ZeRO-3 step takes many seconds on 2 CPU cores. At 1,000 tensors a median of 40
-#: step pairs moved by +-0.03 from run to run, one of 160 by about +-0.01 (``--rounds 40``: 120 rounds).
-SCALED_ROUNDS = {200: 10, 1000: 40, 20000: 2}
+#: Rounds per run, runs per engine (each engine built first in as many: ``builds`` x 3 runs, x 4 with a fourth
+#: engine), and steps under cProfile, by size: a 20,000-tensor ZeRO-3 step takes many seconds on 2 CPU cores, and
+#: where the engines' buffers land moves a run's medians by several percent, so many short runs beat a few long ones.
+SCALED_ROUNDS = {200: 6, 1000: 12, 20000: 2}
+SCALED_BUILDS = {200: 1, 1000: 3, 20000: 1}
 SCALED_WARMUP = {200: 2, 1000: 2, 20000: 1}
 PROFILE_STEPS = {200: 5, 1000: 5, 20000: 2}
 SCALED_TIMEOUT = 3 * 3600.0
@@ -59,11 +62,12 @@ RESULTS_JSON = os.path.join(ROOT, "benchmarks", "results.json")
 NO_AGREEMENT = {"find_unused_parameters": False}
 
 
-def _stepped(pool: DistPool, stage: int, engines: tuple[Any, ...], rounds: int, **model: Any) -> list[list[float]]:
-    """Per engine, its step seconds in every round of one run of ``bodies.stepped_seconds`` per engine, each built
-    first in one; a step is as slow as its slowest rank."""
+def _stepped(pool: DistPool, stage: int, engines: tuple[Any, ...], rounds: int, builds: int,
+             **model: Any) -> list[list[float]]:
+    """Per engine, its step seconds in every round of ``builds`` runs of ``bodies.stepped_seconds`` per engine, each
+    built first in as many, run after run; a step is as slow as its slowest rank."""
     per_engine: list[list[float]] = [[] for _ in engines]
-    for built_first in range(len(engines)):
+    for built_first in list(range(len(engines))) * builds:
         per_rank = pool.run(bodies.stepped_seconds, stage=stage, rounds=rounds, engines=engines,
                             built_first=built_first, timeout=SCALED_TIMEOUT, **model)
         for i in range(rounds):
@@ -72,35 +76,43 @@ def _stepped(pool: DistPool, stage: int, engines: tuple[Any, ...], rounds: int, 
     return per_engine
 
 
-def _summary(against: list[float], seconds: list[float], stock: list[float], stock_again: list[float]) -> dict:
-    """``seconds`` against ``against``, round by round: the median ratio, the noise floor (``stock_again`` against
-    ``stock``, the same rounds), the 95 % interval of their difference, and every round's milliseconds."""
+def _summary(against: list[float], seconds: list[float], stock: list[float], stock_again: list[float],
+             runs: int) -> dict:
+    """``seconds`` against ``against``, round by round over ``runs`` runs of as many rounds: the median ratio, the
+    noise floor (``stock_again`` against ``stock``, the same rounds), the 95 % interval of their difference, and
+    every round's milliseconds."""
     ratios = [b / a for a, b in zip(against, seconds)]
     floors = [b / a for a, b in zip(stock, stock_again)]
     return {"median_ratio": statistics.median(ratios), "stock_vs_stock_ratio": statistics.median(floors),
-            "gap_ci95": _gap_interval(ratios, floors), "rounds": len(seconds),
+            "gap_ci95": _gap_interval(ratios, floors, runs), "rounds": len(seconds), "runs": runs,
             "stock_ms": 1e3 * statistics.median(against), "safe_ms": 1e3 * statistics.median(seconds),
             "round_ms": {name: [round(1e3 * t, 3) for t in series] for name, series in
                          (("against", against), ("seconds", seconds), ("stock", stock), ("stock_again", stock_again))}}
 
 
-def _gap_interval(ratios: list[float], floors: list[float], resamples: int = 2000) -> list[float]:
-    """95 % bootstrap interval of median(ratios) - median(floors), resampling whole rounds (a round keeps its ratio
-    and its floor): how far a run's ratio may sit from its floor by the rounds' noise alone."""
+def _gap_interval(ratios: list[float], floors: list[float], runs: int, resamples: int = 2000) -> list[float]:
+    """95 % bootstrap interval of median(ratios) - median(floors) over ``runs`` runs of as many rounds, resampling
+    whole runs: where each engine's buffers land moves a run's medians by several percent (per-run floors from 0.95 to
+    1.03 at 1,000 tensors), more than the rounds within a run do, so the run is the unit that varies."""
     draw, n = random.Random(0), len(ratios)
-    gaps = sorted(statistics.median(ratios[i] for i in picked) - statistics.median(floors[i] for i in picked)
-                  for picked in (draw.choices(range(n), k=n) for _ in range(resamples)))
+    per_run = n // runs
+    gaps = []
+    for _ in range(resamples):
+        picked = [i for run in draw.choices(range(runs), k=runs) for i in range(run * per_run, (run + 1) * per_run)]
+        gaps.append(statistics.median(ratios[i] for i in picked) - statistics.median(floors[i] for i in picked))
+    gaps.sort()
     return [gaps[int(0.025 * resamples)], gaps[int(0.975 * resamples) - 1]]
 
 
-def _timed_ratio(pool: DistPool, stage: int, rounds: int = ROUNDS, also: tuple[Any, ...] = (),
+def _timed_ratio(pool: DistPool, stage: int, rounds: int = ROUNDS, builds: int = BUILDS, also: tuple[Any, ...] = (),
                  **model: Any) -> tuple[dict, list[list[float]]]:
     """The step ratio safe_zero/stock and its stock/stock noise floor (:func:`_summary`), from the same rounds of a
     stock, a second stock and a safe_zero engine; then every engine's seconds: those three and each of ``also``
     (``bodies.stepped_seconds`` engine kinds, stepped in the same rounds)."""
-    series = _stepped(pool, stage, (False, False, True, *also), rounds, **model)
+    engines = (False, False, True, *also)
+    series = _stepped(pool, stage, engines, rounds, builds, **model)
     stock, stock_again, safe = series[:3]
-    return _summary(stock, safe, stock, stock_again), series
+    return _summary(stock, safe, stock, stock_again, builds * len(engines)), series
 
 
 def step_time_ratio(pool: DistPool, stage: int) -> dict:
@@ -111,7 +123,7 @@ def step_time_ratio(pool: DistPool, stage: int) -> dict:
 
 
 def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int | None = None,
-               costs: bool = True) -> dict:
+               builds: int | None = None, costs: bool = True) -> dict:
     """One scaled model at one stage: collectives (first and later steps, stock and safe_zero), the memory safe_zero's
     code holds, safe_zero's calls per tensor under cProfile (``costs``), then the step ratio and its stock/stock
     noise floor."""
@@ -131,18 +143,20 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int
         row["profile"] = max(pool.run(bodies.safe_zero_share, stage=stage, model=model, tensors=tensors,
                                       steps=PROFILE_STEPS[tensors], warmup=SCALED_WARMUP[tensors],
                                       timeout=SCALED_TIMEOUT), key=lambda p: p["share"])
-    rounds, warmup = SCALED_ROUNDS[tensors] if rounds is None else rounds, SCALED_WARMUP[tensors]
+    rounds = SCALED_ROUNDS[tensors] if rounds is None else rounds
+    builds, warmup = SCALED_BUILDS[tensors] if builds is None else builds, SCALED_WARMUP[tensors]
     if not rounds:
         row["seconds"] = round(time.time() - started, 1)
         return row
     # Stock untouched skips the reductions DDP's answer needs where ranks run other experts (it trains wrong);
     # touched, it does them too: both are timed against safe_zero, in the same rounds.
     touched = (bodies.TOUCHED,) if model == "moe_rank_dependent" and stage < 3 else ()
-    timed, series = _timed_ratio(pool, stage, rounds, also=touched, model=model, tensors=tensors, warmup=warmup)
+    timed, series = _timed_ratio(pool, stage, rounds, builds, also=touched, model=model, tensors=tensors,
+                                 warmup=warmup)
     row.update(timed)
     if touched:
         stock, stock_again, safe, stock_touching = series
-        row["touched"] = _summary(stock_touching, safe, stock, stock_again)
+        row["touched"] = _summary(stock_touching, safe, stock, stock_again, timed["runs"])
     row["seconds"] = round(time.time() - started, 1)
     return row
 
@@ -221,7 +235,7 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
             if model == "moe_rank_dependent" and tensors > 1000:
                 continue  # its ratio is checked at the smaller sizes: 20,000 tensors cost minutes per step
             for stage in map(int, args.stages.split(",")):
-                row = scaled_row(pool, model, tensors, stage, args.rounds, costs=not args.ratio_only)
+                row = scaled_row(pool, model, tensors, stage, args.rounds, args.builds, costs=not args.ratio_only)
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
                 key = f"{model}/{tensors}/zero{stage}"
                 if args.ratio_only and key in scaled:  # keep the row's costs, take its new timing
@@ -241,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--record", metavar="LABEL", help="also keep this run's scaled rows in RESULTS.md under "
                         "'LABEL, <date>' (later runs keep it)")
-    parser.add_argument("--rounds", type=int, help="scaled models: rounds per run, one run per engine (default by "
-                                                   "size; 0: no ratio)")
+    parser.add_argument("--rounds", type=int, help="scaled models: rounds per run (default by size; 0: no ratio)")
+    parser.add_argument("--builds", type=int, help="scaled models: runs per engine, each built first in as many "
+                                                   "(default by size)")
     parser.add_argument("--ratio-only", action="store_true", help="scaled models: the step ratio and its noise floor "
                         "alone (no collectives, memory or profile: a row measured before keeps those)")
     parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
@@ -338,7 +353,8 @@ def render(results: dict) -> None:
 
 def _timed_steps(r: dict) -> str:
     if "rounds" in r:
-        return f"{r['rounds']} rounds of a stock, a second stock and a safe_zero step, in the same rounds"
+        return (f"{r['rounds']} rounds of a stock, a second stock and a safe_zero step, in {r.get('runs', 2)} runs "
+                "(builds)")
     return f"{r['pairs']} step pairs"
 
 
@@ -375,7 +391,8 @@ def _timed(r: dict, load: str) -> str:
     within = "within" if gap <= 0.01 else "OVER"
     if "gap_ci95" in r:  # timed in rounds: how far from the floor the rounds' noise alone could put it
         within += f" ({gap:+.3f}, 95 % interval {r['gap_ci95'][0]:+.3f} to {r['gap_ci95'][1]:+.3f})"
-    timed = f"{r['rounds']} rounds" if "rounds" in r else f"{r['pairs']} pairs"
+    timed = f"{r['rounds']} rounds in {r['runs']} runs" if "runs" in r else \
+        f"{r['rounds']} rounds" if "rounds" in r else f"{r['pairs']} pairs"
     return (f"{r['stock_ms']:.0f} ms | {r['safe_ms']:.0f} ms | {r['median_ratio']:.3f} (median of {timed}{load}) | "
             f"{r['stock_vs_stock_ratio']:.3f} | {within}")
 
@@ -446,9 +463,10 @@ def _scaled_tables(rows: dict) -> list[str]:
 #: How a table's step ratios were timed: rows with ``rounds`` by ``bodies.stepped_seconds``, older ones (``pairs``) by
 #: two engines stepping alternately, the noise floor in runs of its own.
 ROUNDS_NOTE = ("Each row: the step ratio is the median over rounds in which a stock, a second stock and a safe_zero "
-               "engine each take one step in the same 2 ranks, in every order in turn (one run per engine, each built "
-               "first in one), of safe_zero's step over stock's; the noise floor is the second stock's over stock's in "
-               "the same rounds")
+               "engine each take one step in the same 2 ranks, in every order in turn (in several runs, each engine "
+               "built first in as many), of safe_zero's step over stock's; the noise floor is the second stock's over "
+               "stock's in the same rounds; the 95 % interval of ratio - floor resamples whole runs (where the buffers "
+               "land moves a run's medians by several percent)")
 PAIRS_NOTE = ("Each row: the step ratio is the median over per-step pairs of a stock and a safe_zero engine stepping "
               "alternately in the same 2 ranks (two runs, each engine built first in one), the noise floor the same "
               "harness with two stock engines, in runs of its own")

@@ -160,23 +160,28 @@ def test_stock_touching_unused_experts_trains_what_safe_zero_trains(ranks):
     assert [len(rounds) for rounds in timed] == [2, 2]
 
 
-def test_gap_interval_brackets_a_known_gap_and_narrows_with_more_rounds():
-    """The 95 % interval of ratio - floor, by resampling rounds: it holds the gap the rounds were drawn with, and more
-    rounds narrow it."""
+def test_gap_interval_brackets_a_known_gap_and_narrows_with_more_runs():
+    """The 95 % interval of ratio - floor, by resampling whole runs: it holds the gap the rounds were drawn with, more
+    runs narrow it, and a run whose buffers landed badly (all its rounds shifted) widens it."""
     import random
 
     from benchmarks import run
 
     draw = random.Random(1)
     widths = []
-    for n in (40, 640):
-        floors = [draw.gauss(1.0, 0.05) for _ in range(n)]
-        ratios = [draw.gauss(1.02, 0.05) for _ in range(n)]
-        low, high = run._gap_interval(ratios, floors)
+    for runs in (8, 128):
+        floors = [draw.gauss(1.0, 0.05) for _ in range(10 * runs)]
+        ratios = [draw.gauss(1.02, 0.05) for _ in range(10 * runs)]
+        low, high = run._gap_interval(ratios, floors, runs)
         assert low < 0.02 < high
         widths.append(high - low)
     assert widths[1] < widths[0] / 2
-    assert run._gap_interval([1.0] * 5, [1.0] * 5) == [0.0, 0.0]
+    floors = [draw.gauss(1.0, 0.01) for _ in range(40)]
+    ratios = [draw.gauss(1.0, 0.01) for _ in range(40)]
+    shifted = ratios[:30] + [r + 0.1 for r in ratios[30:]]
+    calm, skewed = run._gap_interval(ratios, floors, 4), run._gap_interval(shifted, floors, 4)
+    assert skewed[1] - skewed[0] > 2 * (calm[1] - calm[0])
+    assert run._gap_interval([1.0] * 6, [1.0] * 6, 3) == [0.0, 0.0]
 
 
 def test_a_timed_row_without_a_profile_renders():
