@@ -272,10 +272,9 @@ def stepped_seconds(stage: int, rounds: int = 60, warmup: int = 3, engines: tupl
     machine's load between them cannot pass for safe_zero's cost. Every engine lives in this process from the same
     seed, so a round shares the machine's state at that moment; the engines step in every order in turn, so each goes
     first, last and after each other one equally often. They are built from ``engines[built_first]`` on, wrapping
-    round (where its buffers land depends on it): run every ``built_first``, so each is built in each place once.
-    Each timed step starts after a full garbage collection, so
-    Python's periodic full collections (at 20,000 tensors a few hundred milliseconds, every few steps) stay out of
-    the rounds.
+    round (where its buffers land depends on it, by several percent for a whole run): run every ``built_first``,
+    several times. Each timed step starts after a full garbage collection, so Python's periodic full collections (at
+    20,000 tensors a few hundred milliseconds, every few steps) stay out of the rounds.
     """
     import torch.distributed as dist
 

@@ -2,9 +2,9 @@
 
 Writes ``benchmarks/RESULTS.md`` (a Markdown table) and ``benchmarks/results.json``. Targets:
 step-time ratio safe/stock <= 1.01 (median over rounds in which a stock, a second stock and a safe_zero engine
-in the same 2 CPU ranks each take a step, in every order in turn, one run per engine built first; the second stock
-against the first in the same rounds gives the noise floor, and cProfile the share of the step in safe_zero's
-code); all-gathers
+in the same 2 CPU ranks each take a step, in every order in turn, over many short runs, each engine built first in
+as many; the second stock against the first in the same rounds gives the noise floor, with a 95 % interval of ratio -
+floor over runs, and cProfile the share of the step in safe_zero's code); all-gathers
 per step with K all-zero-sized submodules equal to K = 0; alignment
 padding <= 15 bytes per parameter; ``import safe_zero`` after ``import deepspeed`` <= 50 ms.
 
@@ -353,7 +353,7 @@ def render(results: dict) -> None:
 
 def _timed_steps(r: dict) -> str:
     if "rounds" in r:
-        return (f"{r['rounds']} rounds of a stock, a second stock and a safe_zero step, in {r.get('runs', 2)} runs "
+        return (f"{r['rounds']} rounds of a stock, a second stock and a safe_zero step, in {r['runs']} runs "
                 "(builds)")
     return f"{r['pairs']} step pairs"
 
