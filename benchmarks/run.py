@@ -81,13 +81,17 @@ def _summary(against: list[float], seconds: list[float], stock: list[float], sto
     """``seconds`` against ``against``, round by round over ``runs`` runs of as many rounds: the median ratio, the
     noise floor (``stock_again`` against ``stock``, the same rounds), the 95 % interval of their difference, and
     every round's milliseconds."""
-    ratios = [b / a for a, b in zip(against, seconds)]
-    floors = [b / a for a, b in zip(stock, stock_again)]
+    ratios, floors = _ratios(against, seconds), _ratios(stock, stock_again)
     return {"median_ratio": statistics.median(ratios), "stock_vs_stock_ratio": statistics.median(floors),
             "gap_ci95": _gap_interval(ratios, floors, runs), "rounds": len(seconds), "runs": runs,
             "stock_ms": 1e3 * statistics.median(against), "safe_ms": 1e3 * statistics.median(seconds),
             "round_ms": {name: [round(1e3 * t, 3) for t in series] for name, series in
                          (("against", against), ("seconds", seconds), ("stock", stock), ("stock_again", stock_again))}}
+
+
+def _ratios(against: list[float], seconds: list[float]) -> list[float]:
+    """Round by round, ``seconds`` over ``against``."""
+    return [b / a for a, b in zip(against, seconds)]
 
 
 def _gap_interval(ratios: list[float], floors: list[float], runs: int, resamples: int = 2000) -> list[float]:
@@ -118,7 +122,7 @@ def _timed_ratio(pool: DistPool, stage: int, rounds: int = ROUNDS, builds: int =
 def step_time_ratio(pool: DistPool, stage: int) -> dict:
     timed, (stock, _, _, no_agreement) = _timed_ratio(pool, stage, also=(NO_AGREEMENT,))
     share = max(pool.run(bodies.safe_zero_share, stage=stage), key=lambda r: r["share"])
-    return {**timed, "no_agreement_ratio": statistics.median(b / a for a, b in zip(stock, no_agreement)),
+    return {**timed, "no_agreement_ratio": statistics.median(_ratios(stock, no_agreement)),
             "safe_zero_profiled_share": share["share"], "safe_zero_calls_per_step": share["calls_per_step"]}
 
 
@@ -301,7 +305,7 @@ def render(results: dict) -> None:
              "| measure | stock | safe_zero | ratio / value | target |", "|---|---|---|---|---|"]
     for stage, r in results["step_time"].items():
         lines.append(f"| step time, {stage}, control model | {r['stock_ms']:.2f} ms | {r['safe_ms']:.2f} ms | "
-                     f"{r['median_ratio']:.3f} (median of {_timed_steps(r)}; stock vs stock in the same "
+                     f"{r['median_ratio']:.3f} (median of {_sample(r)}; stock vs stock in the same "
                      f"harness: {r['stock_vs_stock_ratio']:.3f}) | <= 1.01 |")
         lines.append(f"| step time, {stage}, control model, `\"find_unused_parameters\": false` (no rank agreement) "
                      "| | "
@@ -351,10 +355,10 @@ def render(results: dict) -> None:
     print("\n".join(lines))
 
 
-def _timed_steps(r: dict) -> str:
+def _sample(r: dict) -> str:
+    """What a timed row's median is taken over: rounds (in runs), or the step pairs of the older harness."""
     if "rounds" in r:
-        return (f"{r['rounds']} rounds of a stock, a second stock and a safe_zero step, in {r['runs']} runs "
-                "(builds)")
+        return f"{r['rounds']} rounds in {r['runs']} runs" if "runs" in r else f"{r['rounds']} rounds"
     return f"{r['pairs']} step pairs"
 
 
@@ -391,9 +395,7 @@ def _timed(r: dict, load: str) -> str:
     within = "within" if gap <= 0.01 else "OVER"
     if "gap_ci95" in r:  # timed in rounds: how far from the floor the rounds' noise alone could put it
         within += f" ({gap:+.3f}, 95 % interval {r['gap_ci95'][0]:+.3f} to {r['gap_ci95'][1]:+.3f})"
-    timed = f"{r['rounds']} rounds in {r['runs']} runs" if "runs" in r else \
-        f"{r['rounds']} rounds" if "rounds" in r else f"{r['pairs']} pairs"
-    return (f"{r['stock_ms']:.0f} ms | {r['safe_ms']:.0f} ms | {r['median_ratio']:.3f} (median of {timed}{load}) | "
+    return (f"{r['stock_ms']:.0f} ms | {r['safe_ms']:.0f} ms | {r['median_ratio']:.3f} (median of {_sample(r)}{load}) | "
             f"{r['stock_vs_stock_ratio']:.3f} | {within}")
 
 
