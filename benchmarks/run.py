@@ -152,8 +152,9 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int
     if not rounds:
         row["seconds"] = round(time.time() - started, 1)
         return row
-    # Stock untouched skips the reductions DDP's answer needs where ranks run other experts (it trains wrong);
-    # touched, it does them too: both are timed against safe_zero, in the same rounds.
+    # Stock ZeRO-1/2 untouched skips the reductions DDP's answer needs where ranks run other experts (it trains
+    # wrong); touched, it does them too: both are timed against safe_zero, in the same rounds. Stock ZeRO-3's
+    # leaf-module hook already does them.
     touched = (bodies.TOUCHED,) if model == "moe_rank_dependent" and stage < 3 else ()
     timed, series = _timed_ratio(pool, stage, rounds, builds, also=touched, model=model, tensors=tensors,
                                  warmup=warmup)
@@ -487,7 +488,10 @@ SCALED_NOTES = (
     "experts into the other's (it runs, trains wrong) and is only the timing baseline; its row \"stock touching the "
     "experts each rank skips\" times stock made right by hand instead (each rank adds 0 x the sum of each parameter "
     "of the experts it does not run, the usual workaround: stock then ends bit-identical to safe_zero, "
-    "tests/benchmarks), which does the reductions DDP's answer needs, as safe_zero does.")
+    "tests/benchmarks), which does the reductions DDP's answer needs, as safe_zero does. Stock ZeRO-3, with the "
+    "blocks as leaf modules, is right as it is (its leaf-module hook reduces every expert, zero-filled where the rank "
+    "did not run it: it ends bit-identical to safe_zero, tests/benchmarks), so that row's one ratio is against a "
+    "right baseline.")
 
 
 def _timing_note(rows: dict) -> str:

@@ -129,6 +129,7 @@ def test_scaled_costs_report_calls_per_tensor_collectives_and_memory(ranks):
 
 def _trained(stage: int, safe: bool, touched: bool, steps: int = 2):
     """The rank-dependent MoE's parameters after ``steps`` steps on a stock or safe_zero engine, fp32, flat."""
+    import deepspeed
     import torch
 
     module = bodies.build("moe_rank_dependent", 60)  # 2 layers of 8 experts
@@ -138,7 +139,9 @@ def _trained(stage: int, safe: bool, touched: bool, steps: int = 2):
     x = bodies.example_input(module)
     for _ in range(steps):
         bodies._step(engine, x)
-    return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):  # ZeRO-3 holds a partition of each
+        return torch.cat([p.detach().float().flatten() for p in params])
 
 
 def test_stock_touching_unused_experts_trains_what_safe_zero_trains(ranks):
@@ -158,6 +161,18 @@ def test_stock_touching_unused_experts_trains_what_safe_zero_trains(ranks):
     timed = ranks.run(2, bodies.stepped_seconds, stage=2, rounds=2, warmup=1, model="moe_rank_dependent",
                       tensors=60, engines=(bodies.TOUCHED, True))
     assert [len(rounds) for rounds in timed] == [2, 2]
+
+
+def test_stock_zero3_with_leaf_experts_trains_what_safe_zero_trains(ranks):
+    """At ZeRO-3 the rank-dependent row's plain stock baseline is already a right one: with the MoE blocks as leaf
+    modules, as the bench sets them, DeepSpeed's leaf-module hook reduces every expert, zero-filled where the rank
+    did not run it, so stock untouched ends bit-identical to safe_zero and needs no touched twin."""
+    import torch
+
+    safe = ranks.run(2, _trained, stage=3, safe=True, touched=False)
+    untouched = ranks.run(2, _trained, stage=3, safe=False, touched=False)
+    for rank in range(2):
+        assert torch.equal(untouched[rank], safe[rank])
 
 
 def test_gap_interval_brackets_a_known_gap_and_narrows_with_more_runs():
