@@ -171,8 +171,10 @@ def test_stock_zero3_with_leaf_experts_trains_what_safe_zero_trains(ranks):
 
     safe = ranks.run(2, _trained, stage=3, safe=True, touched=False)
     untouched = ranks.run(2, _trained, stage=3, safe=False, touched=False)
+    initial = ranks.run(2, _trained, stage=3, safe=False, touched=False, steps=0)
     for rank in range(2):
         assert torch.equal(untouched[rank], safe[rank])
+        assert not torch.equal(untouched[rank], initial[rank])  # the steps moved the weights
 
 
 def test_gap_interval_brackets_a_known_gap_and_narrows_with_more_runs():
