@@ -291,29 +291,89 @@ def _stepped_seconds(stage: int, rounds: int, warmup: int, engines: tuple[Any, .
         if kind == TOUCHED:
             touch_unused(module)
         built[which] = _engine(module, stage, False if kind == TOUCHED else kind)
-    x = example_input(module)
-    orders = list(itertools.permutations(range(len(engines))))
+    return _rounds([(built[which], False) for which in range(len(engines))], example_input(module), rounds,
+                   warmup, built_first, dist)
+
+
+def switched_seconds(stage: int, rounds: int = 60, warmup: int = 3, built_first: int = 0, model: str = "wide",
+                     tensors: int = 0) -> list[tuple[float, ...]]:
+    """Per round, the seconds of one training step of one safe_zero engine of ``model`` with safe_zero switched off
+    (:func:`switched_off`), switched off again, and on: ``stepped_seconds``' rounds with the three engines made one.
+
+    Off, the engine runs DeepSpeed's own methods on the same buffers, so the ratio on/off is what safe_zero's code
+    adds to a step, without the few percent by which where separately built engines' buffers land moves their steps,
+    and off/off is the harness's noise floor. Only for models stock DeepSpeed trains right (every rank uses every
+    parameter): there an off step is a stock step. ``built_first`` only moves where the rounds start in the orders,
+    as in ``stepped_seconds``. The first warm-up step is on: the step in which the ranks agree.
+    """
+    import torch.distributed as dist
+
+    with _threads_for(model):
+        module = build(model, tensors)
+        engine = _engine(module, stage, True)
+        x = example_input(module)
+        _step(engine, x)
+        return _rounds([(engine, True), (engine, True), (engine, False)], x, rounds, warmup, built_first, dist)
+
+
+def _rounds(steppers: list[tuple[Any, bool]], x: torch.Tensor, rounds: int, warmup: int, offset: int,
+            dist: Any) -> list[tuple[float, ...]]:
+    """Per round, the seconds of one step of each ``(engine, switched off)`` of ``steppers``, in their order; the
+    rounds go through every order of them in turn, from ``offset * rounds`` on."""
+    orders = list(itertools.permutations(range(len(steppers))))
 
     def timed_step(which: int) -> float:
-        # A full collection traverses every object the engines hold (hundreds of milliseconds at 20,000 tensors,
-        # once every few steps): done here, outside the timing, it cannot land in one engine's steps more than another's.
-        gc.collect()
-        dist.barrier()
-        start = time.perf_counter()
-        loss = built[which](x)
-        built[which].backward(loss)
-        built[which].step()
-        return time.perf_counter() - start
+        engine, off = steppers[which]
+        with switched_off(engine) if off else contextlib.nullcontext():
+            # A full collection traverses every object the engines hold (hundreds of milliseconds at 20,000 tensors,
+            # once every few steps): done here, outside the timing, it cannot land in one engine's steps more than
+            # another's.
+            gc.collect()
+            dist.barrier()
+            start = time.perf_counter()
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            return time.perf_counter() - start
 
     for _ in range(warmup):
-        for which in range(len(engines)):
+        for which in range(len(steppers)):
             timed_step(which)
     times = []
     for i in range(rounds):
         # Runs of few rounds each start elsewhere in the orders, so that together they go through all of them.
-        got = {which: timed_step(which) for which in orders[(i + built_first * rounds) % len(orders)]}
-        times.append(tuple(got[which] for which in range(len(engines))))
+        got = {which: timed_step(which) for which in orders[(i + offset * rounds) % len(orders)]}
+        times.append(tuple(got[which] for which in range(len(steppers))))
     return times
+
+
+@contextlib.contextmanager
+def switched_off(engine: Any) -> Iterator[None]:
+    """A safe_zero engine running DeepSpeed's own methods for the ``with`` block: every safe_zero override on its
+    optimizer and, at ZeRO-3, its parameter manager and coordinator is bound to the DeepSpeed method it extends
+    (``patching.pass_through``, as safe_zero does for a fix with nothing to do), and resumed after the block.
+
+    For a model stock DeepSpeed trains right, a step in the block is a stock step on the engine's buffers (no
+    safe_zero function runs in it, tests/benchmarks); between its steps safe_zero's state stays as the last step
+    left it, and the next backward begins afresh as always."""
+    from safe_zero.patching import is_override, pass_through, resume
+
+    owners = [engine.optimizer]
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is not None:
+        owners += [offload, offload.get_param_coordinator()]
+    switched = []
+    for owner in owners:
+        idle = owner.__dict__.get("_safe_zero_idle", {})
+        switched += [(owner, name, klass) for klass in type(owner).__mro__ for name, method in vars(klass).items()
+                     if name != "__init__" and is_override(method) and klass not in idle.get(name, ())]
+    for owner, name, klass in switched:
+        pass_through(owner, name, klass)
+    try:
+        yield
+    finally:
+        for owner, name, klass in reversed(switched):
+            resume(owner, name, klass)
 
 
 @contextlib.contextmanager

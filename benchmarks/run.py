@@ -54,6 +54,10 @@ SCALED_ROUNDS = {200: 6, 1000: 12, 20000: 2}
 SCALED_BUILDS = {200: 1, 1000: 3, 20000: 1}
 SCALED_WARMUP = {200: 2, 1000: 2, 20000: 1}
 PROFILE_STEPS = {200: 5, 1000: 5, 20000: 2}
+#: The same-engine timing (``bodies.switched_seconds``): rounds per run and runs, by size. One engine per run, and its
+#: off and on steps share its buffers, so fewer runs do.
+SWITCHED_ROUNDS = {200: 6, 1000: 24, 20000: 3}
+SWITCHED_BUILDS = {200: 1, 1000: 4, 20000: 2}
 SCALED_TIMEOUT = 3 * 3600.0
 RESULTS_JSON = os.path.join(ROOT, "benchmarks", "results.json")
 
@@ -66,14 +70,29 @@ def _stepped(pool: DistPool, stage: int, engines: tuple[Any, ...], rounds: int, 
              **model: Any) -> list[list[float]]:
     """Per engine, its step seconds in every round of ``builds`` runs of ``bodies.stepped_seconds`` per engine, each
     built first in as many, run after run; a step is as slow as its slowest rank."""
-    per_engine: list[list[float]] = [[] for _ in engines]
-    for built_first in list(range(len(engines))) * builds:
-        per_rank = pool.run(bodies.stepped_seconds, stage=stage, rounds=rounds, engines=engines,
-                            built_first=built_first, timeout=SCALED_TIMEOUT, **model)
+    return _collected(pool, bodies.stepped_seconds, len(engines), list(range(len(engines))) * builds, stage=stage,
+                      rounds=rounds, engines=engines, **model)
+
+
+def _collected(pool: DistPool, body: Any, width: int, runs: list[int], rounds: int, **kwargs: Any) -> list[list[float]]:
+    """Per column of ``body``'s rounds (``width`` of them), its seconds in every round of one run of ``body`` per
+    ``built_first`` in ``runs``, run after run; a step is as slow as its slowest rank."""
+    columns: list[list[float]] = [[] for _ in range(width)]
+    for built_first in runs:
+        per_rank = pool.run(body, rounds=rounds, built_first=built_first, timeout=SCALED_TIMEOUT, **kwargs)
         for i in range(rounds):
-            for which, seconds in enumerate(per_engine):
+            for which, seconds in enumerate(columns):
                 seconds.append(max(rank[i][which] for rank in per_rank))
-    return per_engine
+    return columns
+
+
+def switched_ratio(pool: DistPool, stage: int, rounds: int, builds: int, **model: Any) -> dict:
+    """safe_zero's step over the same engine's with safe_zero switched off, and the off/off noise floor, from the
+    same rounds of ``builds`` runs of ``bodies.switched_seconds`` (:func:`_summary`: ``stock`` there is off)."""
+    load = os.getloadavg()[0]
+    off, off_again, on = _collected(pool, bodies.switched_seconds, 3, list(range(builds)), rounds, stage=stage,
+                                    **model)
+    return {"load": load, **_summary(off, on, off, off_again, builds)}
 
 
 def _summary(against: list[float], seconds: list[float], stock: list[float], stock_again: list[float],
@@ -127,10 +146,12 @@ def step_time_ratio(pool: DistPool, stage: int) -> dict:
 
 
 def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int | None = None,
-               builds: int | None = None, costs: bool = True) -> dict:
+               builds: int | None = None, costs: bool = True, engines: bool = True, switched: bool = True) -> dict:
     """One scaled model at one stage: collectives (first and later steps, stock and safe_zero), the memory safe_zero's
-    code holds, safe_zero's calls per tensor under cProfile (``costs``), then the step ratio and its stock/stock
-    noise floor."""
+    code holds, safe_zero's calls per tensor under cProfile (``costs``), the step ratio against separately built
+    stock engines and its stock/stock noise floor (``engines``), and the ratio against the same engine switched off
+    and its off/off floor (``switched``: where stock trains the model right, so a switched-off step is a stock one).
+    ``rounds`` and ``builds`` replace both timings' defaults."""
     row: dict[str, Any] = {"model": model, "size": tensors, "stage": stage, **bodies.describe(model, tensors),
                            "load": os.getloadavg()[0]}
     started = time.time()
@@ -147,21 +168,25 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int
         row["profile"] = max(pool.run(bodies.safe_zero_share, stage=stage, model=model, tensors=tensors,
                                       steps=PROFILE_STEPS[tensors], warmup=SCALED_WARMUP[tensors],
                                       timeout=SCALED_TIMEOUT), key=lambda p: p["share"])
-    rounds = SCALED_ROUNDS[tensors] if rounds is None else rounds
-    builds, warmup = SCALED_BUILDS[tensors] if builds is None else builds, SCALED_WARMUP[tensors]
-    if not rounds:
-        row["seconds"] = round(time.time() - started, 1)
-        return row
-    # Stock ZeRO-1/2 untouched skips the reductions DDP's answer needs where ranks run other experts (it trains
-    # wrong); touched, it does them too: both are timed against safe_zero, in the same rounds. Stock ZeRO-3's
-    # leaf-module hook already does them.
-    touched = (bodies.TOUCHED,) if model == "moe_rank_dependent" and stage < 3 else ()
-    timed, series = _timed_ratio(pool, stage, rounds, builds, also=touched, model=model, tensors=tensors,
-                                 warmup=warmup)
-    row.update(timed)
-    if touched:
-        stock, stock_again, safe, stock_touching = series
-        row["touched"] = _summary(stock_touching, safe, stock, stock_again, timed["runs"])
+    warmup = SCALED_WARMUP[tensors]
+    if engines and (SCALED_ROUNDS[tensors] if rounds is None else rounds):
+        # Stock ZeRO-1/2 untouched skips the reductions DDP's answer needs where ranks run other experts (it trains
+        # wrong); touched, it does them too: both are timed against safe_zero, in the same rounds. Stock ZeRO-3's
+        # leaf-module hook already does them.
+        touched = (bodies.TOUCHED,) if model == "moe_rank_dependent" and stage < 3 else ()
+        timed, series = _timed_ratio(pool, stage, SCALED_ROUNDS[tensors] if rounds is None else rounds,
+                                     SCALED_BUILDS[tensors] if builds is None else builds, also=touched,
+                                     model=model, tensors=tensors, warmup=warmup)
+        row.update(timed)
+        if touched:
+            stock, stock_again, safe, stock_touching = series
+            row["touched"] = _summary(stock_touching, safe, stock, stock_again, timed["runs"])
+    # A switched-off step is a stock one only where stock trains right: not ZeRO-1/2 on rank-dependent experts.
+    if switched and (model != "moe_rank_dependent" or stage == 3) \
+            and (SWITCHED_ROUNDS[tensors] if rounds is None else rounds):
+        row["switched"] = switched_ratio(pool, stage, SWITCHED_ROUNDS[tensors] if rounds is None else rounds,
+                                         SWITCHED_BUILDS[tensors] if builds is None else builds, model=model,
+                                         tensors=tensors, warmup=warmup)
     row["seconds"] = round(time.time() - started, 1)
     return row
 
@@ -240,11 +265,14 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
             if model == "moe_rank_dependent" and tensors > 1000:
                 continue  # its ratio is checked at the smaller sizes: 20,000 tensors cost minutes per step
             for stage in map(int, args.stages.split(",")):
-                row = scaled_row(pool, model, tensors, stage, args.rounds, args.builds, costs=not args.ratio_only)
+                engines, switched = args.timing in ("all", "engines"), args.timing in ("all", "switched")
+                row = scaled_row(pool, model, tensors, stage, args.rounds, args.builds, costs=not args.ratio_only,
+                                 engines=engines, switched=switched)
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
                 key = f"{model}/{tensors}/zero{stage}"
-                if args.ratio_only and key in scaled:  # keep the row's costs, take its new timing
-                    row = {**{k: v for k, v in scaled[key].items() if k not in ("pairs", "touched")}, **row}
+                if args.ratio_only and key in scaled:  # keep the row's costs and the timings not taken now
+                    row = {**{k: v for k, v in scaled[key].items()
+                              if not (engines and k in ("pairs", "touched"))}, **row}
                 scaled[key] = row
                 print(json.dumps(_printable(row))[:2000], flush=True)
                 _save(results)  # a long run keeps what it measured so far
@@ -265,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    "(default by size)")
     parser.add_argument("--ratio-only", action="store_true", help="scaled models: the step ratio and its noise floor "
                         "alone (no collectives, memory or profile: a row measured before keeps those)")
+    parser.add_argument("--timing", choices=("all", "engines", "switched"), default="all",
+                        help="scaled models: which step ratios to time: against separately built stock engines, "
+                        "against the same engine with safe_zero switched off, or both")
     parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
                         "--record: keep the scaled rows there under the label)")
     parser.add_argument("--results", default=RESULTS_JSON, help="the JSON file to read and write")
@@ -427,6 +458,21 @@ def _scaled_tables(rows: dict) -> list[str]:
         if "touched" in r:
             lines.append(f"| `{r['model']}`, stock touching the experts each rank skips (trains right) | "
                          f"{r['tensors']} | ZeRO-{r['stage']} | {_timed(r['touched'], load)} | | | |")
+    switched = [r for r in rows if "switched" in r]
+    if switched:
+        lines += ["", "The same engine with safe_zero switched off and on in turn (`bodies.switched_seconds`: off, "
+                  "its optimizer, parameter manager and coordinator run DeepSpeed's own methods on the same buffers, "
+                  "a stock step; rounds of off, off again and on in every order; the floor is off again over off):",
+                  "", "| model | tensors | stage | switched off | on | ratio on/off | noise floor off/off "
+                  "| ratio target (floor + 0.01; ratio - floor, its 95 % interval) | safe_zero's share of the step "
+                  "((ratio - floor) / ratio; target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in switched:
+            s = r["switched"]
+            load, ratio = f", load {s['load']:.0f}", s["median_ratio"]
+            low, high = (100 * gap / ratio for gap in s["gap_ci95"])
+            lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {_timed(s, load)} | "
+                         f"{100 * (ratio - s['stock_vs_stock_ratio']) / ratio:.2f} % (95 % interval {low:.2f} to "
+                         f"{high:.2f} %) |")
     lines += ["", "| model | tensors | stage | collectives, first step: stock | first step: safe_zero adds "
               "| first-step bytes safe_zero adds, per tensor | after the first step | state safe_zero keeps on the "
               "engine (peak) |", "|---|---|---|---|---|---|---|---|"]

@@ -7,6 +7,8 @@ models (at the CI=true size, about 200 tensors) have the tensor counts their tab
 report calls per tensor, collectives and memory.
 """
 
+import contextlib
+
 import pytest
 
 from benchmarks import bodies
@@ -177,6 +179,54 @@ def test_stock_zero3_with_leaf_experts_trains_what_safe_zero_trains(ranks):
         assert not torch.equal(untouched[rank], initial[rank])  # the steps moved the weights
 
 
+def _switched_training(stage: int, model: str, switched: bool, steps: int = 4) -> tuple[list[int], "torch.Tensor"]:
+    """``model`` trained ``steps`` steps on a safe_zero engine with safe_zero switched off in every other
+    step after the first (``switched``), or on a stock engine: per step, the calls into safe_zero's functions under
+    cProfile, and the parameters after the steps, fp32, flat."""
+    import cProfile
+    import pstats
+
+    import deepspeed
+    import torch
+
+    module = bodies.build(model, 60)
+    engine = bodies._engine(module, stage, switched)
+    x = bodies.example_input(module)
+    calls = []
+    for step in range(steps):
+        profile = cProfile.Profile()
+        with bodies.switched_off(engine) if switched and step % 2 else contextlib.nullcontext():
+            profile.enable()
+            bodies._step(engine, x)
+            profile.disable()
+        calls.append(sum(v[1] for k, v in pstats.Stats(profile).stats.items() if bodies._ours(k[0]) is not None))
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        return calls, torch.cat([p.detach().float().flatten() for p in params])
+
+
+@pytest.mark.parametrize("stage, model", [(2, "moe"), (3, "moe"), (3, "moe_rank_dependent")])
+def test_switched_off_steps_are_stock_steps_on_the_same_engine(ranks, stage, model):
+    """``bodies.switched_off``, which the same-engine timing rests on: in a step inside it no safe_zero function runs,
+    after it safe_zero runs again, and a safe_zero engine switched off in every other step trains bit-identical to a
+    stock engine, on the models the bench times so, which stock trains right (ZeRO-3's leaf-module hook reduces the
+    experts a rank did not run)."""
+    if stage == 2 and flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):
+        pytest.skip("stock ZeRO-2 cannot step at 2 gloo ranks on this DeepSpeed (flat_buffer_autograd): no baseline")
+    import torch
+
+    switched = ranks.run(2, _switched_training, stage=stage, model=model, switched=True)
+    stock = ranks.run(2, _switched_training, stage=stage, model=model, switched=False)
+    for rank in range(2):
+        calls, params = switched[rank]
+        assert calls[1] == calls[3] == 0
+        assert calls[0] > calls[2] > 0  # the first step agrees; each later on-step walks the agreed order
+        assert stock[rank][0] == [0, 0, 0, 0]
+        assert torch.equal(params, stock[rank][1])
+    timed = ranks.run(2, bodies.switched_seconds, stage=stage, rounds=3, warmup=1, model=model, tensors=60)
+    assert all(len(rounds) == 3 and all(len(steps) == 3 and min(steps) > 0 for steps in rounds) for rounds in timed)
+
+
 def test_gap_interval_brackets_a_known_gap_and_narrows_with_more_runs():
     """The 95 % interval of ratio - floor, by resampling whole runs: it holds the gap the rounds were drawn with, more
     runs narrow it, and a run whose buffers landed badly (all its rounds shifted) widens it."""
@@ -210,3 +260,16 @@ def test_a_timed_row_without_a_profile_renders():
     text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero3": row}, "scaled_machine": "test"}))
     assert "| `moe` | 189 | ZeRO-3 | 5 ms | 5 ms | 1.004 (median of 6 rounds) | 1.000 | within (+0.004, 95 % interval " \
            "-0.010 to +0.020) | not profiled | | |" in text
+
+
+def test_a_switched_timing_renders_its_share():
+    """The same-engine timing renders as its own table: ratio on/off against the off/off floor, and the share of the
+    step it puts on safe_zero, (ratio - floor) / ratio, with the interval scaled alike."""
+    from benchmarks import run
+
+    switched = {"median_ratio": 1.009, "stock_vs_stock_ratio": 1.0, "gap_ci95": [0.0, 0.0202], "rounds": 24,
+                "runs": 4, "stock_ms": 100.0, "safe_ms": 100.9, "load": 1.0}
+    row = {"model": "moe", "size": 200, "stage": 2, **bodies.describe("moe", 200), "switched": switched}
+    text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero2": row}, "scaled_machine": "test"}))
+    assert "| `moe` | 189 | ZeRO-2 | 100 ms | 101 ms | 1.009 (median of 24 rounds in 4 runs, load 1) | 1.000 | within " \
+           "(+0.009, 95 % interval +0.000 to +0.020) | 0.89 % (95 % interval 0.00 to 2.00 %) |" in text
