@@ -10,9 +10,11 @@ padding <= 15 bytes per parameter; ``import safe_zero`` after ``import deepspeed
 
 Scaled models (issue 26): ``moe`` (an experts ``nn.ModuleList`` per layer, also rank-dependent) and ``transformer``
 at about 1,000 and 20,000 trainable tensors (``CI=true``: about 200), ZeRO-2 and ZeRO-3: step ratio and its
-stock/stock floor, safe_zero's calls per tensor by function, collectives, first-step bytes and the state safe_zero
-keeps. ``--only scaled --sizes 1000`` re-measures part of it, ``--record LABEL`` keeps a run's scaled rows in
-RESULTS.md, ``--render`` rewrites RESULTS.md from results.json.
+stock/stock floor, the ratio of one safe_zero engine's steps over its own with safe_zero switched off and its off/off
+floor (``bodies.switched_seconds``: one engine a run, so it also times models three engines of which do not fit in
+memory), safe_zero's calls per tensor by function, collectives, first-step bytes and the state safe_zero keeps.
+``--only scaled --sizes 1000`` re-measures part of it, ``--timing`` picks the ratios, ``--record LABEL`` keeps a
+run's scaled rows in RESULTS.md, ``--render`` rewrites RESULTS.md from results.json.
 """
 
 from __future__ import annotations
@@ -458,21 +460,7 @@ def _scaled_tables(rows: dict) -> list[str]:
         if "touched" in r:
             lines.append(f"| `{r['model']}`, stock touching the experts each rank skips (trains right) | "
                          f"{r['tensors']} | ZeRO-{r['stage']} | {_timed(r['touched'], load)} | | | |")
-    switched = [r for r in rows if "switched" in r]
-    if switched:
-        lines += ["", "The same engine with safe_zero switched off and on in turn (`bodies.switched_seconds`: off, "
-                  "its optimizer, parameter manager and coordinator run DeepSpeed's own methods on the same buffers, "
-                  "a stock step; rounds of off, off again and on in every order; the floor is off again over off):",
-                  "", "| model | tensors | stage | switched off | on | ratio on/off | noise floor off/off "
-                  "| ratio target (floor + 0.01; ratio - floor, its 95 % interval) | safe_zero's share of the step "
-                  "((ratio - floor) / ratio; target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in switched:
-            s = r["switched"]
-            load, ratio = f", load {s['load']:.0f}", s["median_ratio"]
-            low, high = (100 * gap / ratio for gap in s["gap_ci95"])
-            lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {_timed(s, load)} | "
-                         f"{100 * (ratio - s['stock_vs_stock_ratio']) / ratio:.2f} % (95 % interval {low:.2f} to "
-                         f"{high:.2f} %) |")
+    lines += _switched_table([r for r in rows if "switched" in r])
     lines += ["", "| model | tensors | stage | collectives, first step: stock | first step: safe_zero adds "
               "| first-step bytes safe_zero adds, per tensor | after the first step | state safe_zero keeps on the "
               "engine (peak) |", "|---|---|---|---|---|---|---|---|"]
@@ -513,6 +501,26 @@ def _scaled_tables(rows: dict) -> list[str]:
     lines.append("| all of safe_zero's functions | " + " | ".join(
         f"{r['profile']['calls_per_step'] / r['tensors']:.2f} ({100 * r['profile']['share']:.2f} %)" for r in columns)
         + " |")
+    return lines
+
+
+def _switched_table(rows: list[dict]) -> list[str]:
+    """The rows' same-engine timing (``switched``), with the share of the step it puts on safe_zero."""
+    if not rows:
+        return []
+    lines = ["", "The same engine with safe_zero switched off and on in turn (`bodies.switched_seconds`: off, its "
+             "optimizer, parameter manager and coordinator run DeepSpeed's own methods on the same buffers, a stock "
+             "step; rounds of off, off again and on in every order; the floor is off again over off):", "",
+             "| model | tensors | stage | switched off | on | ratio on/off | noise floor off/off "
+             "| ratio target (floor + 0.01; ratio - floor, its 95 % interval) | safe_zero's share of the step "
+             "((ratio - floor) / ratio; target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["switched"]
+        load, ratio = f", load {s['load']:.0f}", s["median_ratio"]
+        low, high = (100 * gap / ratio for gap in s["gap_ci95"])
+        lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {_timed(s, load)} | "
+                     f"{100 * (ratio - s['stock_vs_stock_ratio']) / ratio:.2f} % (95 % interval {low:.2f} to "
+                     f"{high:.2f} %) |")
     return lines
 
 
