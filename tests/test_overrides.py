@@ -79,12 +79,12 @@ def test_every_mixin_method_that_shadows_deepspeed_is_marked():
 
 
 def test_a_deepspeed_method_a_mixin_calls_is_checked_too(monkeypatch):
-    """``AgreesOnModulesWhileRecording`` calls the coordinator's ``_invalidate_trace`` (it overrides nothing of it)."""
+    """``AgreesOnModulesWhileRecording`` calls the coordinator's ``is_complete_trace`` (it overrides nothing of it)."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     from safe_zero import DeepSpeedDriftError, verify_overrides
 
-    monkeypatch.delattr(PartitionedParameterCoordinator, "_invalidate_trace")
-    with pytest.raises(DeepSpeedDriftError, match=r"PartitionedParameterCoordinator\._invalidate_trace is gone.*"
+    monkeypatch.delattr(PartitionedParameterCoordinator, "is_complete_trace")
+    with pytest.raises(DeepSpeedDriftError, match=r"PartitionedParameterCoordinator\.is_complete_trace is gone.*"
                                                   r"AgreesOnModulesWhileRecording calls it"):
         verify_overrides()

@@ -173,7 +173,7 @@ def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
             'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')
 
 
-@calls("is_record_trace", "is_complete_trace", "is_invalid_trace", "_invalidate_trace")
+@calls("is_record_trace", "is_complete_trace", "is_invalid_trace")
 class AgreesOnModulesWhileRecording:
     """Mixin for ``PartitionedParameterCoordinator``: kept modules out of the trace, and one module order.
 
@@ -204,6 +204,13 @@ class AgreesOnModulesWhileRecording:
     _safe_zero_inside: frozenset[int] | set[int] = frozenset()
     #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
     _safe_zero_built = itertools.count()
+    # DeepSpeed's trace mode changes only in reset_step and _invalidate_trace: mirrored there, as flags a module entry
+    # reads, instead of asking DeepSpeed at each one (issue 26).
+    #: The fix is on and DeepSpeed records this forward's trace.
+    _safe_zero_recording_now = False
+    #: The recorded order was just left while followed: the module entry it was left at agrees on it with the ranks.
+    _safe_zero_left = False
+    _safe_zero_followed = False
 
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -261,10 +268,19 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_recording = []
         self._safe_zero_forwards += 1
         self._safe_zero_followed = self._safe_zero_on and self.is_complete_trace()
+        self._safe_zero_recording_now = self._safe_zero_on and self.is_record_trace()
+        self._safe_zero_left = False
         self.module_clock.restart()
         released = [p for p in self._safe_zero_kept_params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if released:  # released on every rank alike: by an optimizer step, a checkpoint or empty_partition_cache
             released[0].all_gather(param_list=released)
+
+    @overrides
+    def _invalidate_trace(self) -> None:
+        # trace_prologue found the module entered off the recorded order (or hooks were registered again)
+        super()._invalidate_trace()
+        self._safe_zero_recording_now = False
+        self._safe_zero_left = self._safe_zero_followed
 
     @overrides
     def trace_prologue(self, sub_module: nn.Module) -> None:
@@ -305,11 +321,11 @@ class AgreesOnModulesWhileRecording:
         if planner is not None and task != -1 and (position >= planner.wake_at or task != planner.wake_task):
             clock.at_boundary(position, task)
         clock.position = position + 1
-        if self._safe_zero_followed and self.is_invalid_trace():  # trace_prologue just left the recorded order
-            self._safe_zero_followed = False
+        if self._safe_zero_left:  # trace_prologue just left the recorded order
+            self._safe_zero_left = self._safe_zero_followed = False
             self._agree_on_leaving_the_trace(current_submodule, position)
             clock.left_order()
-        if forward and self._safe_zero_on and self.is_record_trace():
+        if forward and self._safe_zero_recording_now:
             # Modules whose parameters are all zero-element gather nothing: no agreement either.
             params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
             if params:
