@@ -274,7 +274,8 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
                 key = f"{model}/{tensors}/zero{stage}"
                 if args.ratio_only and key in scaled:  # keep the row's costs and the timings not taken now
                     row = {**{k: v for k, v in scaled[key].items()
-                              if not (engines and k in ("pairs", "touched"))}, **row}
+                              if not (engines and k in ("pairs", "touched"))}, **row,
+                           **({} if engines else {"load": scaled[key].get("load", row["load"])})}
                 scaled[key] = row
                 print(json.dumps(_printable(row))[:2000], flush=True)
                 _save(results)  # a long run keeps what it measured so far
