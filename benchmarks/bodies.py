@@ -331,9 +331,7 @@ def _rounds(steppers: list[tuple[Any, bool]], x: torch.Tensor, rounds: int, warm
             gc.collect()
             dist.barrier()
             start = time.perf_counter()
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
+            _step(engine, x)
             return time.perf_counter() - start
 
     for _ in range(warmup):

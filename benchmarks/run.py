@@ -171,24 +171,25 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int
                                       steps=PROFILE_STEPS[tensors], warmup=SCALED_WARMUP[tensors],
                                       timeout=SCALED_TIMEOUT), key=lambda p: p["share"])
     warmup = SCALED_WARMUP[tensors]
-    if engines and (SCALED_ROUNDS[tensors] if rounds is None else rounds):
+    engine_rounds, engine_builds = (SCALED_ROUNDS[tensors] if rounds is None else rounds,
+                                    SCALED_BUILDS[tensors] if builds is None else builds)
+    switched_rounds, switched_builds = (SWITCHED_ROUNDS[tensors] if rounds is None else rounds,
+                                        SWITCHED_BUILDS[tensors] if builds is None else builds)
+    if engines and engine_rounds:
         # Stock ZeRO-1/2 untouched skips the reductions DDP's answer needs where ranks run other experts (it trains
         # wrong); touched, it does them too: both are timed against safe_zero, in the same rounds. Stock ZeRO-3's
         # leaf-module hook already does them.
         touched = (bodies.TOUCHED,) if model == "moe_rank_dependent" and stage < 3 else ()
-        timed, series = _timed_ratio(pool, stage, SCALED_ROUNDS[tensors] if rounds is None else rounds,
-                                     SCALED_BUILDS[tensors] if builds is None else builds, also=touched,
-                                     model=model, tensors=tensors, warmup=warmup)
+        timed, series = _timed_ratio(pool, stage, engine_rounds, engine_builds, also=touched, model=model,
+                                     tensors=tensors, warmup=warmup)
         row.update(timed)
         if touched:
             stock, stock_again, safe, stock_touching = series
             row["touched"] = _summary(stock_touching, safe, stock, stock_again, timed["runs"])
     # A switched-off step is a stock one only where stock trains right: not ZeRO-1/2 on rank-dependent experts.
-    if switched and (model != "moe_rank_dependent" or stage == 3) \
-            and (SWITCHED_ROUNDS[tensors] if rounds is None else rounds):
-        row["switched"] = switched_ratio(pool, stage, SWITCHED_ROUNDS[tensors] if rounds is None else rounds,
-                                         SWITCHED_BUILDS[tensors] if builds is None else builds, model=model,
-                                         tensors=tensors, warmup=warmup)
+    if switched and switched_rounds and (model != "moe_rank_dependent" or stage == 3):
+        row["switched"] = switched_ratio(pool, stage, switched_rounds, switched_builds, model=model, tensors=tensors,
+                                         warmup=warmup)
     row["seconds"] = round(time.time() - started, 1)
     return row
 
@@ -273,9 +274,8 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
                 key = f"{model}/{tensors}/zero{stage}"
                 if args.ratio_only and key in scaled:  # keep the row's costs and the timings not taken now
-                    row = {**{k: v for k, v in scaled[key].items()
-                              if not (engines and k in ("pairs", "touched"))}, **row,
-                           **({} if engines else {"load": scaled[key].get("load", row["load"])})}
+                    kept = {k: v for k, v in scaled[key].items() if not (engines and k in ("pairs", "touched"))}
+                    row = {**kept, **row, **({} if engines else {"load": kept.get("load", row["load"])})}
                 scaled[key] = row
                 print(json.dumps(_printable(row))[:2000], flush=True)
                 _save(results)  # a long run keeps what it measured so far

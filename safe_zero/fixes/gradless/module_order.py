@@ -210,6 +210,7 @@ class AgreesOnModulesWhileRecording:
     _safe_zero_recording_now = False
     #: The recorded order was just left while followed: the module entry it was left at agrees on it with the ranks.
     _safe_zero_left = False
+    #: The recorded module order was followed up to the last module entered.
     _safe_zero_followed = False
 
     @overrides
@@ -223,7 +224,6 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_recording: list[int] = []
         self._safe_zero_group: Any = None  # the data-parallel group of the last module agreed on
         self._safe_zero_diverged = False  # this forward's ranks went on in lockstep
-        self._safe_zero_followed = False  # the recorded module order was followed up to the last module entered
         # DeepSpeed calls these per module entry: with nothing kept gathered and no divergence the overrides have
         # nothing to do, and with the fix off neither has the fetch (the module clock then has no follower).
         idle = ("trace_prologue", "release_sub_module") + (() if self._safe_zero_on else ("fetch_sub_module",))
