@@ -8,7 +8,7 @@ VENV        := .venv
 VENV_LEGACY := .venv-ds$(DS_LEGACY)
 VENV_NEWEST := .venv-newest
 VENV_FLOOR  := .venv-floor
-EXTRAS      := dev,lightning,accelerate,transformers,examples,trl
+EXTRAS      := dev,bench,lightning,accelerate,transformers,examples,trl
 # The extras whose floors `make test-floor` installs together (examples and trl need newer transformers).
 FLOOR_EXTRAS := lightning,accelerate,transformers
 # The exact releases the suite was last seen green on: `make test` installs them, `make lock` rewrites them.

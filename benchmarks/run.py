@@ -13,7 +13,8 @@ at about 1,000 and 20,000 trainable tensors (``CI=true``: about 200), ZeRO-2 and
 stock/stock floor, the ratio of one safe_zero engine's steps over its own with safe_zero switched off and its off/off
 floor (``bodies.switched_seconds``: one engine a run, so it also times models three engines of which do not fit in
 memory), safe_zero's calls per tensor by function, collectives, first-step bytes and the state safe_zero keeps.
-``--only scaled --sizes 1000`` re-measures part of it, ``--timing`` picks the ratios, ``--record LABEL`` keeps a
+``--only scaled --sizes 1000`` re-measures part of it, ``--timing`` picks the ratios and safe_zero's share of the step
+sampled by py-spy (``bodies.sampled_share``: no per-call profiler cost), ``--record LABEL`` keeps a
 run's scaled rows in RESULTS.md, ``--render`` rewrites RESULTS.md from results.json.
 """
 
@@ -60,6 +61,8 @@ PROFILE_STEPS = {200: 5, 1000: 5, 20000: 2}
 #: off and on steps share its buffers, so fewer runs do.
 SWITCHED_ROUNDS = {200: 6, 1000: 24, 20000: 3}
 SWITCHED_BUILDS = {200: 1, 1000: 4, 20000: 2}
+#: Steps sampled by py-spy (``bodies.sampled_share``), by size.
+SAMPLED_STEPS = {200: 40, 1000: 200, 20000: 6}
 SCALED_TIMEOUT = 3 * 3600.0
 RESULTS_JSON = os.path.join(ROOT, "benchmarks", "results.json")
 
@@ -148,12 +151,14 @@ def step_time_ratio(pool: DistPool, stage: int) -> dict:
 
 
 def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int | None = None,
-               builds: int | None = None, costs: bool = True, engines: bool = True, switched: bool = True) -> dict:
+               builds: int | None = None, costs: bool = True, engines: bool = True, switched: bool = True,
+               sampled: bool = True) -> dict:
     """One scaled model at one stage: collectives (first and later steps, stock and safe_zero), the memory safe_zero's
     code holds, safe_zero's calls per tensor under cProfile (``costs``), the step ratio against separately built
-    stock engines and its stock/stock noise floor (``engines``), and the ratio against the same engine switched off
-    and its off/off floor (``switched``: where stock trains the model right, so a switched-off step is a stock one).
-    ``rounds`` and ``builds`` replace both timings' defaults."""
+    stock engines and its stock/stock noise floor (``engines``), the ratio against the same engine switched off
+    and its off/off floor (``switched``: where stock trains the model right, so a switched-off step is a stock one),
+    and safe_zero's share of the step sampled by py-spy (``sampled``). ``rounds`` and ``builds`` replace both
+    timings' defaults."""
     row: dict[str, Any] = {"model": model, "size": tensors, "stage": stage, **bodies.describe(model, tensors),
                            "load": os.getloadavg()[0]}
     started = time.time()
@@ -190,8 +195,36 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int
     if switched and switched_rounds and (model != "moe_rank_dependent" or stage == 3):
         row["switched"] = switched_ratio(pool, stage, switched_rounds, switched_builds, model=model, tensors=tensors,
                                          warmup=warmup)
+    if sampled:
+        row["sampled"] = pooled_samples(pool.run(bodies.sampled_share, stage=stage, model=model, tensors=tensors,
+                                                 steps=SAMPLED_STEPS[tensors], warmup=warmup, timeout=SCALED_TIMEOUT))
     row["seconds"] = round(time.time() - started, 1)
     return row
+
+
+def pooled_samples(per_rank: list[dict]) -> dict:
+    """Every rank's ``bodies.sampled_share``, summed: safe_zero's share of the samples, with its 95 % interval
+    (Wilson's, the samples taken as independent draws), and its functions' samples; or the first rank's error."""
+    errors = [r["error"] for r in per_rank if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    samples, ours = sum(r["samples"] for r in per_rank), sum(r["ours"] for r in per_rank)
+    functions: dict[str, int] = {}
+    for r in per_rank:
+        for name, n in r["functions"].items():
+            functions[name] = functions.get(name, 0) + n
+    return {"samples": samples, "ours": ours, "share": ours / samples if samples else 0.0,
+            "ci95": wilson(ours, samples), "steps": per_rank[0]["steps"], "rate": per_rank[0]["rate"],
+            "functions": dict(sorted(functions.items(), key=lambda item: (-item[1], item[0])))}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
+    """The 95 % (``z``) Wilson score interval of a proportion ``k`` of ``n``."""
+    if not n:
+        return [0.0, 1.0]
+    p = k / n
+    centre, half = p + z * z / (2 * n), z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+    return [(centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)]
 
 
 def import_ms(repeats: int = 5) -> float:
@@ -270,7 +303,7 @@ def measure_scaled(pool: DistPool, results: dict, args: argparse.Namespace) -> N
             for stage in map(int, args.stages.split(",")):
                 engines, switched = args.timing in ("all", "engines"), args.timing in ("all", "switched")
                 row = scaled_row(pool, model, tensors, stage, args.rounds, args.builds, costs=not args.ratio_only,
-                                 engines=engines, switched=switched)
+                                 engines=engines, switched=switched, sampled=args.timing in ("all", "sampled"))
                 row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
                 key = f"{model}/{tensors}/zero{stage}"
                 if args.ratio_only and key in scaled:  # keep the row's costs and the timings not taken now
@@ -294,11 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="scaled models: rounds per run (default by size; 0: no ratio)")
     parser.add_argument("--builds", type=int, help="scaled models: runs per engine, each built first in as many "
                                                    "(default by size)")
-    parser.add_argument("--ratio-only", action="store_true", help="scaled models: the step ratio and its noise floor "
-                        "alone (no collectives, memory or profile: a row measured before keeps those)")
-    parser.add_argument("--timing", choices=("all", "engines", "switched"), default="all",
-                        help="scaled models: which step ratios to time: against separately built stock engines, "
-                        "against the same engine with safe_zero switched off, or both")
+    parser.add_argument("--ratio-only", action="store_true", help="scaled models: only what --timing picks (no "
+                        "collectives, memory or cProfile: a row measured before keeps those and its other timings)")
+    parser.add_argument("--timing", choices=("all", "engines", "switched", "sampled"), default="all",
+                        help="scaled models: which of safe_zero's time to measure: the step ratio against separately "
+                        "built stock engines, against the same engine with safe_zero switched off, safe_zero's share "
+                        "of the step sampled by py-spy, or all three")
     parser.add_argument("--render", action="store_true", help="only write RESULTS.md from results.json (with "
                         "--record: keep the scaled rows there under the label)")
     parser.add_argument("--results", default=RESULTS_JSON, help="the JSON file to read and write")
@@ -450,7 +484,8 @@ def _scaled_tables(rows: dict) -> list[str]:
               for (model, size), r in models.items()]
     lines += ["", "| model | tensors | stage | stock | safe_zero | ratio safe/stock | noise floor stock/stock "
               "| ratio target (floor + 0.01; ratio - floor, its 95 % interval) | safe_zero calls per step "
-              "| calls per tensor (target <= 3) | profiled share (target <= 1 %) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| calls per tensor (target <= 3) | share under cProfile (an upper bound: it charges each call its cost) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         load = f", load {r['load']:.0f}" if "load" in r else ""
         timed = _timed(r, load) if "median_ratio" in r else f"not timed{load} | | | |"
@@ -462,6 +497,7 @@ def _scaled_tables(rows: dict) -> list[str]:
             lines.append(f"| `{r['model']}`, stock touching the experts each rank skips (trains right) | "
                          f"{r['tensors']} | ZeRO-{r['stage']} | {_timed(r['touched'], load)} | | | |")
     lines += _switched_table([r for r in rows if "switched" in r])
+    lines += _sampled_table([r for r in rows if "sampled" in r])
     lines += ["", "| model | tensors | stage | collectives, first step: stock | first step: safe_zero adds "
               "| first-step bytes safe_zero adds, per tensor | after the first step | state safe_zero keeps on the "
               "engine (peak) |", "|---|---|---|---|---|---|---|---|"]
@@ -522,6 +558,31 @@ def _switched_table(rows: list[dict]) -> list[str]:
         lines.append(f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} | {_timed(s, load)} | "
                      f"{100 * (ratio - s['stock_vs_stock_ratio']) / ratio:.2f} % (95 % interval {low:.2f} to "
                      f"{high:.2f} %) |")
+    return lines
+
+
+def _sampled_table(rows: list[dict]) -> list[str]:
+    """The rows' sampled share (``sampled``): safe_zero's samples over all, and the functions they fell in."""
+    if not rows:
+        return []
+    lines = ["", "safe_zero's own time, sampled (`bodies.sampled_share`: py-spy reads each rank's Python stack from "
+             "outside the process, so no function is charged a profiler's per-call cost; a sample is safe_zero's where "
+             "its innermost Python frame is in a file under safe_zero/, its own lines and the C functions they call; "
+             "a rank waiting in a collective is not sampled, so the share is of the time the ranks compute; interval: "
+             "Wilson's, 95 %):", "",
+             "| model | tensors | stage | steps sampled (per rank, samples a second) | samples (both ranks) | "
+             "safe_zero's | safe_zero's share of the step (target <= 1 %; 95 % interval) | where (samples) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["sampled"]
+        head = f"| `{r['model']}` | {r['tensors']} | ZeRO-{r['stage']} |"
+        if "error" in s:
+            lines.append(f"{head} not sampled: {s['error']} | | | | |")
+            continue
+        low, high = s["ci95"]
+        where = ", ".join(f"`{name}` {n}" for name, n in list(s["functions"].items())[:4])
+        lines.append(f"{head} {s['steps']} ({s['rate']}) | {s['samples']} | {s['ours']} | {100 * s['share']:.2f} % "
+                     f"({100 * low:.2f} to {100 * high:.2f} %) | {where} |")
     return lines
 
 

@@ -273,3 +273,102 @@ def test_a_switched_timing_renders_its_share():
     text = "\n".join(run.scaled_lines({"scaled": {"moe/200/zero2": row}, "scaled_machine": "test"}))
     assert "| `moe` | 189 | ZeRO-2 | 100 ms | 101 ms | 1.009 (median of 24 rounds in 4 runs, load 1) | 1.000 | within " \
            "(+0.009, 95 % interval +0.000 to +0.020) | 0.89 % (95 % interval 0.00 to 2.00 %) |" in text
+
+
+def _sampled_or_skip(result: dict) -> dict:
+    """``result`` of a sampling; skipped where this machine forbids reading another process (ptrace), failed where
+    py-spy is missing (the bench extra installs it)."""
+    error = result.get("error", "")
+    if "Permission denied" in error or "Operation not permitted" in error:
+        pytest.skip(f"py-spy may not read processes here: {error}")
+    assert not error
+    return result
+
+
+def _half_in_safe_zero(seconds: float) -> None:
+    """About half of ``seconds`` in a safe_zero function (the planner's order merge: Python, and the C functions it
+    calls), half in this file's, in turns of 5 ms."""
+    import operator
+    import time
+
+    from safe_zero.fixes.gradless.planner import merge_orders
+
+    arrivals = [list(range(500))] * 2
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        turn = time.perf_counter() + 0.005
+        while time.perf_counter() < turn:
+            merge_orders(arrivals, 500, key=operator.neg)
+        turn = time.perf_counter() + 0.005
+        while time.perf_counter() < turn:
+            sum(i * i for i in range(500))
+
+
+def test_sampling_charges_safe_zero_the_samples_in_its_own_frames():
+    """``bodies.sampling`` with py-spy, and ``attributed``: a call that spends half its time in a safe_zero function
+    gets about half its samples charged to safe_zero, in that function."""
+    with bodies.sampling(rate=400) as got:
+        if "error" not in got:
+            _half_in_safe_zero(2.0)
+    counts = bodies.attributed(_sampled_or_skip(got)["raw"], _half_in_safe_zero.__code__)
+    assert counts["samples"] > 200
+    assert 0.3 < counts["ours"] / counts["samples"] < 0.7
+    assert set(counts["functions"]) <= {"fixes/gradless/planner.py:merge_orders",
+                                        "fixes/gradless/planner.py:<listcomp>"}
+    assert counts["functions"]["fixes/gradless/planner.py:merge_orders"] > 0
+
+
+def test_attributed_counts_the_marked_call_and_safe_zero_innermost_frames():
+    """Only samples taken inside the marked call count, and a sample is safe_zero's by its innermost frame alone: a
+    DeepSpeed method that safe_zero called is DeepSpeed's."""
+    import os
+
+    import safe_zero
+
+    ours = os.path.join(os.path.dirname(safe_zero.__file__), "fixes", "gradless", "stage12.py")
+    marked = bodies._sampled_steps.__code__
+    outer = f"<module> (run.py:1);_sampled_steps ({marked.co_filename}:{marked.co_firstlineno + 3})"
+    raw = [f"<module> (run.py:1);ReduceInOneOrderStage12.process_gradients ({ours}:60) 7",  # outside the call
+           f"{outer};ReduceInOneOrderStage12.process_gradients ({ours}:64) 5",
+           f"{outer};ReduceInOneOrderStage12.process_gradients ({ours}:66);"
+           "DeepSpeedZeroOptimizer.process_gradients (/ds/stage_1_and_2.py:9) 11",
+           f"{outer};backward (/torch/autograd/__init__.py:395) 80"]
+    counts = bodies.attributed(raw, marked)
+    assert counts == {"samples": 96, "ours": 5, "functions": {"fixes/gradless/stage12.py:process_gradients": 5}}
+
+
+def test_sampled_share_charges_nothing_to_safe_zero_switched_off(ranks):
+    """``bodies.sampled_share`` in 2 ranks: the steps are sampled on each rank, and with safe_zero switched off (a
+    stock step) no sample is safe_zero's."""
+    for off in (True, False):
+        for result in ranks.run(2, bodies.sampled_share, stage=2, model="moe", tensors=60, steps=20, off=off):
+            result = _sampled_or_skip(result)
+            assert result["samples"] > 20 and result["steps"] == 20
+            if off:
+                assert result["ours"] == 0 and result["functions"] == {}
+
+
+def test_a_sampled_share_renders_pooled_over_ranks_with_its_interval():
+    """The ranks' samples are summed, the share gets Wilson's 95 % interval, and the table names where they fell; a
+    row py-spy could not sample says why."""
+    from benchmarks import run
+
+    per_rank = [{"samples": 9000, "ours": 60, "functions": {"a.py:f": 50, "b.py:g": 10}, "steps": 200, "rate": 400},
+                {"samples": 11000, "ours": 100, "functions": {"a.py:f": 70, "c.py:h": 30}, "steps": 200, "rate": 400}]
+    pooled = run.pooled_samples(per_rank)
+    assert pooled["samples"] == 20000 and pooled["ours"] == 160 and pooled["share"] == 0.008
+    assert pooled["functions"] == {"a.py:f": 120, "c.py:h": 30, "b.py:g": 10}
+    low, high = pooled["ci95"]
+    assert 0.0068 < low < 0.008 < high < 0.0094
+    wide = run.wilson(16, 2000)
+    assert wide[0] < low and wide[1] > high
+    assert run.pooled_samples([per_rank[0], {"error": "py-spy did not sample this process: denied"}]) == {
+        "error": "py-spy did not sample this process: denied"}
+    described = bodies.describe("moe", 200)
+    rows = {"moe/200/zero2": {"model": "moe", "size": 200, "stage": 2, **described, "sampled": pooled},
+            "moe/200/zero3": {"model": "moe", "size": 200, "stage": 3, **described,
+                              "sampled": {"error": "py-spy is not installed"}}}
+    text = "\n".join(run.scaled_lines({"scaled": rows, "scaled_machine": "test"}))
+    assert f"| `moe` | 189 | ZeRO-2 | 200 (400) | 20000 | 160 | 0.80 % ({100 * low:.2f} to {100 * high:.2f} %) | " \
+           "`a.py:f` 120, `c.py:h` 30, `b.py:g` 10 |" in text
+    assert "| `moe` | 189 | ZeRO-3 | not sampled: py-spy is not installed | | | | |" in text
