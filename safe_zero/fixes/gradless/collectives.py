@@ -22,25 +22,31 @@ class Reachability:
     """Whether the running backward will execute each parameter's gradient accumulator (as DeepSpeed's own
     ``count_used_parameters_in_backward`` asks).
 
-    Finding a leaf's accumulator costs a view and its autograd node (about 5 us); ZeRO-1/2 asks for every
-    parameter left in the order once per backward, so there the accumulators are held (``hold``), as DDP's reducer
-    holds them, and autograd reuses them. Not on ZeRO-3: it re-points a partitioned parameter at an empty tensor
-    between uses, and a held accumulator keeps the shape the parameter had when it was made.
+    Finding a leaf's accumulator costs a view and its autograd node (about 5 us); ZeRO-1/2 asks about its agreed
+    order's parameters once per backward, so there the accumulators are held (``hold``), as DDP's reducer holds them,
+    and autograd reuses them; those of the last list asked about are kept beside it, so a walk's ask, about the same
+    list each backward, is one C loop over them. Not on ZeRO-3: it re-points a partitioned parameter at an empty
+    tensor between uses, and a held accumulator keeps the shape the parameter had when it was made.
     """
 
     def __init__(self, hold: bool) -> None:
         self._held: dict[int, Any] | None = {} if hold else None
+        self._last: tuple[Sequence[torch.Tensor], list[Any]] | None = None
 
     def __call__(self, params: Sequence[torch.Tensor]) -> list[bool]:
         held = self._held
-        if held is not None:  # once per backward, for up to every parameter: C loops (map), no Python per parameter
-            try:
+        if held is not None:
+            last = self._last
+            if last is not None and last[0] is params:
+                return list(map(torch._C._will_engine_execute_node, last[1]))
+            try:  # C loops (map), no Python per parameter
                 nodes = list(map(held.__getitem__, map(id, params)))
             except KeyError:  # the first ask for some of them
                 with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on
                     held.update((id(p), _get_grad_fn_or_grad_acc(p)) for p in params if id(p) not in held)
                 nodes = list(map(held.__getitem__, map(id, params)))
             if None not in nodes:
+                self._last = (params, nodes)
                 return list(map(torch._C._will_engine_execute_node, nodes))
         else:
             with torch.enable_grad():  # hooks run with grad mode off; a leaf's accumulator needs it on

@@ -82,7 +82,8 @@ class Backend(Protocol):
         """Per data-parallel group: the trainable parameters an agreed order sequences."""
 
     def reached(self, params: Sequence[Any]) -> list[bool]:
-        """Whether the running backward of this rank will reach each parameter's gradient accumulator."""
+        """Whether the running backward of this rank will reach each parameter's gradient accumulator (a new list,
+        which the caller may change)."""
 
     def all_reduce_min(self, group: Any, flags: list[bool]) -> InFlight:
         """Start the MIN all-reduce of one flag per parameter over ``group``."""
@@ -254,6 +255,15 @@ class _Agreement:
         return [(p, args, FIRED) for p, args in queued if id(p) not in self.held]
 
 
+def _asked(backend: Backend, sequence: list[Any], k: int) -> list[bool]:
+    """Whether this rank's backward reaches each parameter of an order's ``sequence``, the first ``k`` (handed over
+    already) taken as reached. Asked about the whole sequence, the same list in every backward, which the backend
+    may key what it keeps on."""
+    reached = backend.reached(sequence)
+    reached[:k] = [True] * k
+    return reached
+
+
 class _Walk:
     """One backward's progress along a ``ReductionOrder``."""
 
@@ -304,7 +314,7 @@ class _Walk:
         if not self.clocked:  # ZeRO-1/2 asks at every hook: once for the rest of the sequence
             reached = self.reached[sequence]
             if reached is None:
-                reached = self.reached[sequence] = [True] * k + self.backend.reached(params[k:])
+                reached = self.reached[sequence] = _asked(self.backend, params, k)
             return reached[k]
         key = id(params[k])
         if key not in self.asked:
@@ -425,7 +435,7 @@ class Planner:
                 break
             else:
                 if reached is None:
-                    reached = walk.reached[sequence] = [True] * k + self.backend.reached(params[k:])
+                    reached = walk.reached[sequence] = _asked(self.backend, params, k)
                 if reached[k]:
                     break
                 handovers.append((nxt, args_of[k], UNUSED))
