@@ -89,6 +89,7 @@ class Ranks:
     reach: set[str] = field(default_factory=set)
     collectives: list[str] = field(default_factory=list)
     nested_warnings: int = 0
+    asked: int = 0  # how often the planner asked what the running backward reaches
 
     def agreed_groups(self) -> list[tuple[Any, list[str]]]:
         return [("dp", list(self.params))]
@@ -97,6 +98,7 @@ class Ranks:
         return [("dp", list(self.params))]
 
     def reached(self, params: list[str]) -> list[bool]:
+        self.asked += 1
         return [p in self.reach for p in params]
 
     def _post(self, kind: str, value: Any) -> int:
@@ -282,8 +284,9 @@ def test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn():
     check(replays, scripts)
     assert sequence(replays[0], 0) == ["d", "c", "a", "b"], "agreed: what some rank misses waits for the epilogue"
     assert sequence(replays[1], 1) == ["d", "c", "b", "a"]
-    assert replays[1].events[replays[1].events.index(("hook", "c"), 8):][:3] == [
-        ("hook", "c"), ("reduce", "c", None), ("reduce", "b", None)], "b goes as zeros right after c, not at the end"
+    assert replays[1].events[replays[1].events.index(("hook", "c"), 8):][:5] == [
+        ("hook", "c"), ("reduce", "c", None), ("hook", "a"), ("reduce", "b", None), ("reduce", "a", None)], \
+        "b goes as zeros in its turn, before a"
 
 
 def test_zero12_experts_that_move_between_three_ranks_every_step():
@@ -431,8 +434,12 @@ def test_zero12_ranks_that_reach_other_parameters_walk_the_merged_order_without_
     for rank, r in enumerate(replays):
         for step in range(1, steps):
             assert handed_at_hook(r, step) == scripts[rank][step], (rank, step)
+        order = r.planner.order.sequences[0]
+        # After the agreeing backward: its first hook, and the first hook out of turn where it skips a parameter of
+        # the order after that one (the planner then asks what the backward reaches, and the fast path skips it).
         assert len(calls.get(id(r.planner), [])) == len(scripts[rank][0]) + sum(
-            1 for events in scripts[rank][1:] if events), "after the agreeing backward: once per backward"
+            1 + (events[0] == order[0] and events != order[:len(events)])
+            for events in scripts[rank][1:] if events), "after the agreeing backward: once or twice per backward"
 
 
 def test_zero12_in_order_hooks_after_the_first_backward_call_the_planner_once_per_backward(monkeypatch):
@@ -445,14 +452,32 @@ def test_zero12_in_order_hooks_after_the_first_backward_call_the_planner_once_pe
     assert len(calls) == 2 * (4 + 1 + 1), "every hook of the agreeing backward, then each backward's first hook"
 
 
-def test_zero12_the_fast_path_hands_over_the_zeros_that_follow_a_hook():
-    """Rank 1 never reaches ``b``: ``c``'s hook hands it over as zeros right after ``c``, without the planner."""
+def test_zero12_a_backward_asks_what_it_reaches_only_at_a_hook_out_of_turn():
+    """After the agreeing backward, a rank that reaches every parameter in the agreed order asks autograd nothing
+    (its hooks go by the fast path); rank 1 never reaches ``b``: ``a``'s hook comes out of turn, asks, and hands
+    ``b`` over as zeros before ``a``, in each backward afresh."""
     scripts = [[["d", "c", "b", "a"]] * 3, [["d", "c", "a"]] * 3]
     replays = replay(scripts, P4)
     check(replays, scripts)
+    for backward in (1, 2):
+        events = replays[1].events[[i for i, e in enumerate(replays[1].events) if e == ("epilogue",)][backward - 1]
+                                   + 1:]
+        assert events[:8] == [("hook", "d"), ("reduce", "d", None), ("hook", "c"), ("reduce", "c", None),
+                              ("hook", "a"), ("reduce", "b", None), ("reduce", "a", None), ("epilogue",)]
+    assert replays[0].backend.asked == 1, "the agreement's ask, in the first backward"
+    assert replays[1].backend.asked == 1 + 2, "and one per later backward, at a's hook"
+
+
+def test_zero12_after_asking_the_fast_path_hands_over_the_zeros_that_follow_a_hook():
+    """Rank 1 never reaches ``e`` and ``b``: ``d``'s hook comes out of turn and asks, and from then on the fast path
+    knows: ``c``'s hook hands ``b`` over as zeros right after ``c``, without the planner."""
+    scripts = [[["f", "e", "d", "c", "b", "a"]] * 3, [["f", "d", "c", "a"]] * 3]
+    replays = replay(scripts, P6)
+    check(replays, scripts)
     events = replays[1].events[replays[1].events.index(("epilogue",)) + 1:]
-    assert events[:7] == [("hook", "d"), ("reduce", "d", None), ("hook", "c"), ("reduce", "c", None),
-                          ("reduce", "b", None), ("hook", "a"), ("reduce", "a", None)]
+    assert events[:12] == [("hook", "f"), ("reduce", "f", None), ("hook", "d"), ("reduce", "e", None),
+                           ("reduce", "d", None), ("hook", "c"), ("reduce", "c", None), ("reduce", "b", None),
+                           ("hook", "a"), ("reduce", "a", None), ("epilogue",), ("hook", "f")]
 
 
 def test_zero12_a_hook_that_fired_late_goes_at_the_next_hook_not_at_the_epilogue():
@@ -643,12 +668,13 @@ def test_a_planner_that_ignores_the_due_clock_fails_the_replays(monkeypatch):
 
 
 def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("if reached[k]:", "if True:"), ("if not reached[k]:", "if False:"),
+    _mutate(monkeypatch, ("if reached is not None and not reached[k]:", "if False:"),
+            ("elif reached is None or reached[k]:", "elif True:"), ("if reached[at]:", "if True:"),
             ("elif finish or (ask and not self.reaches(sequence, k)):", "elif finish:"))
     with pytest.raises(AssertionError):
         test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather()
     with pytest.raises(AssertionError):
-        test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
+        test_zero12_after_asking_the_fast_path_hands_over_the_zeros_that_follow_a_hook()
 
 
 def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_replays(monkeypatch):
@@ -665,11 +691,28 @@ def test_a_fast_path_that_hands_over_before_an_unreached_parameter_alone_fails_t
     _mutate(monkeypatch, ("steps[k] = (params[k], tuple(reversed(zeros)), after)",
                           "steps[k] = (params[k], (), after)"))
     with pytest.raises(AssertionError):
-        test_zero12_a_parameter_some_rank_never_reaches_goes_as_zeros_in_its_turn()
+        test_zero12_after_asking_the_fast_path_hands_over_the_zeros_that_follow_a_hook()
 
 
 def test_a_fast_path_that_does_not_move_on_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("            planner.step = planner.steps[after]\n            return [(param, args, FIRED), *then]",
-                          "            return [(param, args, FIRED), *then]"))
+    _mutate(monkeypatch, ("                planner.step = planner.steps[after]\n                return [(param, args, FIRED), *then]",
+                          "                return [(param, args, FIRED), *then]"))
     with pytest.raises(AssertionError):
         test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires()
+
+
+def test_a_fast_path_taken_in_a_nested_backward_fails_the_replays(monkeypatch):
+    """Reentrant checkpointing begun late, its nested hooks in the agreed order: the fast path must leave them to
+    the planner, which stops every rank at the first one."""
+    _mutate(monkeypatch, ("if task == planner.wake_task:", "if True:"))
+    with pytest.raises(AssertionError):
+        test_zero12_reentrant_checkpointing_begun_late_stops_every_rank()
+
+
+def test_a_planner_that_never_asks_what_a_backward_reaches_fails_the_replays(monkeypatch):
+    """Taking every parameter as reached until the epilogue hands ``b`` over last, after ``a``'s hook."""
+    _mutate(monkeypatch, ("reached = walk.reached[0] = _asked(self.backend, walk.order.sequences[0], at)",
+                          "reached = [True] * len(walk.order.sequences[0])"),
+            ("reached = walk.reached[sequence] = _asked(self.backend, params, k)", "pass"))
+    with pytest.raises(AssertionError):
+        test_zero12_a_backward_asks_what_it_reaches_only_at_a_hook_out_of_turn()

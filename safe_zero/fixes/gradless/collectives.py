@@ -23,10 +23,11 @@ class Reachability:
     ``count_used_parameters_in_backward`` asks).
 
     Finding a leaf's accumulator costs a view and its autograd node (about 5 us); ZeRO-1/2 asks about its agreed
-    order's parameters once per backward, so there the accumulators are held (``hold``), as DDP's reducer holds them,
-    and autograd reuses them; those of the last list asked about are kept beside it, so a walk's ask, about the same
-    list each backward, is one C loop over them. Not on ZeRO-3: it re-points a partitioned parameter at an empty
-    tensor between uses, and a held accumulator keeps the shape the parameter had when it was made.
+    order's parameters in each backward that comes out of turn, so there the accumulators are held (``hold``), as
+    DDP's reducer holds them, and autograd reuses them; those of the last list asked about are kept beside it, so a
+    walk's ask, about the same list each time, is one C loop over them. Not on ZeRO-3: it re-points a partitioned
+    parameter at an empty tensor between uses, and a held accumulator keeps the shape the parameter had when it was
+    made.
     """
 
     def __init__(self, hold: bool) -> None:

@@ -160,9 +160,10 @@ class ReductionOrder:
 
     def steps(self, reached: list[bool] | None) -> list[Step | None]:
         """One sequence: per position, the fast path's step there (``Planner.step``), then the end's. ZeRO-1/2,
-        for a backward that reaches ``reached`` (aligned with the sequence): a step per parameter it reaches, with
-        the zeros after it, pointing at the next one it reaches. ZeRO-3 (``due``, ``reached`` None): a step per
-        parameter, with its due clock. Built once per distinct ``reached``, in one pass from the end."""
+        for a backward that reaches ``reached`` (aligned with the sequence; ``None``: taken to reach every one, as
+        long as no hook comes out of turn): a step per parameter it reaches, with the zeros after it, pointing at the
+        next one it reaches. ZeRO-3 (``due``, ``reached`` None): a step per parameter, with its due clock. Built
+        once per distinct ``reached``, in one pass from the end."""
         cached = self._steps
         if cached is None or cached[0] is not reached and cached[0] != reached:
             params, n = self.sequences[0], len(self.sequences[0])
@@ -173,7 +174,7 @@ class ReductionOrder:
             else:
                 after, zeros = n, []
                 for k in reversed(range(n)):
-                    if not reached[k]:
+                    if reached is not None and not reached[k]:
                         zeros.append((params[k], self.args[0][k], UNUSED))
                         continue
                     steps[k] = (params[k], tuple(reversed(zeros)), after)
@@ -337,7 +338,8 @@ class Planner:
     the agreement is in flight; on ZeRO-3, which also gathers during backward, a hook waits for it instead.
 
     ``wake_at`` and ``wake_task`` tell a module boundary whether it can change anything: a ZeRO-3 coordinator
-    calls :meth:`boundary` only at a clock ``>= wake_at`` or in another autograd task than ``wake_task``.
+    calls :meth:`boundary` only at a clock ``>= wake_at`` or in another autograd task than ``wake_task``, the
+    autograd task of the walk (-1 outside one); on ZeRO-1/2 the fast path (``step``) is taken in that task only.
     """
 
     def __init__(self, mode: Mode, backend: Backend, *, clocked: bool = False, queues: bool = False) -> None:
@@ -360,7 +362,9 @@ class Planner:
         self._settling: tuple[_Agreement, dict[int, tuple]] | None = None
         #: The in-order fast path (one sequence, while a backward walks the agreed order; :meth:`_expect_next` says
         #: where): ``(parameter, then, after)``, the next parameter of the order (ZeRO-1/2: the next one this rank's
-        #: backward reaches). When its hook fires (ZeRO-3: a last one, at a clock ``>= then``, its due), the caller
+        #: backward reaches, as far as it has asked autograd). When its hook fires (ZeRO-1/2: in the autograd task
+        #: ``wake_task``, so that a nested backward's hook stops at :meth:`hook`; ZeRO-3: a last one, at a clock
+        #: ``>= then``, its due), the caller
         #: may hand it over itself, as ``FIRED`` with its own hook arguments, instead of calling :meth:`hook`, and
         #: must then move ``step`` on to ``steps[after]`` and hand over ``then`` (ZeRO-1/2; ZeRO-3: set ``wake_at``
         #: to the new step's due), as :func:`carry_out` does; any other hook goes to :meth:`hook`. An identity test
@@ -403,17 +407,25 @@ class Planner:
         if self.step is not NO_STEP:
             at = self._fast_path_at(walk)
             if clock is None and position > at and id(self.step[0]) not in fired:
-                # ZeRO-1/2, ahead of its turn while the one expected has not fired: parked, the fast path stays on
-                fired[id(param)] = args
-                return []
+                # ZeRO-1/2, ahead of its turn while the one expected has not fired. The first such hook of a backward
+                # asks autograd what this backward reaches (in its own task: a nested one stopped above).
+                reached = walk.reached[0]
+                if reached is None:
+                    reached = walk.reached[0] = _asked(self.backend, walk.order.sequences[0], at)
+                if reached[at]:  # the one expected comes later: parked, the fast path stays on and now skips the
+                    fired[id(param)] = args  # parameters this backward does not reach
+                    self.steps = walk.order.steps(reached)
+                    self.step = self.steps[at]
+                    return []
             walk.next[0], self.step = at, NO_STEP
         if self.phase is Phase.HOLDING:
             fired[id(param)] = args
             return []
         # ``walk.hand_over(sequence, clock=clock, ask=clock is None)``, inlined: it runs per parameter per step.
         # On ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
-        # autograd at every hook costs more than the wait. ZeRO-1/2 asks once per backward, at its first hook: every
-        # rank then hands over what it does not reach before a nested backward (reentrant checkpointing) fires it.
+        # autograd at every hook costs more than the wait. ZeRO-1/2 asks at the first hook of a backward that comes
+        # out of turn (above, or here once the fast path is off): a backward that reaches every parameter in the
+        # agreed order asks nothing.
         order = walk.order
         params, args_of, k = order.sequences[sequence], order.args[sequence], walk.next[sequence]
         due = order.due[sequence] if clock is not None and order.due is not None else None
@@ -424,6 +436,8 @@ class Planner:
         else:  # parked until the ones before it are handed over
             fired[id(param)] = args
             handovers = []
+            if reached is None and clock is None:  # ZeRO-1/2, out of turn: ask (see above)
+                reached = walk.reached[sequence] = _asked(self.backend, params, k)
         while k < len(params):
             if due is not None and due[k] > clock:
                 break
@@ -433,11 +447,9 @@ class Planner:
                 handovers.append((nxt, nxt_args, FIRED))
             elif clock is not None:
                 break
+            elif reached is None or reached[k]:  # reached, or taken as reached until a hook comes out of turn
+                break
             else:
-                if reached is None:
-                    reached = walk.reached[sequence] = _asked(self.backend, params, k)
-                if reached[k]:
-                    break
                 handovers.append((nxt, args_of[k], UNUSED))
             k += 1
         walk.next[sequence] = k
@@ -457,7 +469,7 @@ class Planner:
         order, k = walk.order, walk.next[0]
         if len(order.sequences) != 1 or k >= len(order.sequences[0]) or walk.fired and order.due is not None:
             return
-        if order.due is None and (reached is None or not reached[k]):
+        if order.due is None and reached is not None and not reached[k]:
             return
         self.steps = order.steps(None if order.due is not None else reached)
         self.step = self.steps[k]
@@ -590,9 +602,10 @@ def carry_out(planner: Planner, param: Any, args: tuple, task: int, clock: int |
     parameter, then, after = planner.step
     if param is parameter:
         if clock is None:
-            planner.step = planner.steps[after]
-            return [(param, args, FIRED), *then]
-        if clock >= then:
+            if task == planner.wake_task:  # in the walk's own task: a nested backward's hook goes to hook, which stops
+                planner.step = planner.steps[after]
+                return [(param, args, FIRED), *then]
+        elif clock >= then:
             planner.step = following = planner.steps[after]
             planner.wake_at = following[1]
             return [(param, args, FIRED)]

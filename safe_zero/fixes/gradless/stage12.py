@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from deepspeed import comm as dist
+from torch._C import _current_graph_task_id
 
 from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, PlannerAdapter
 from safe_zero.fixes.gradless.collectives import zero_grads_for
@@ -53,13 +54,15 @@ class ReduceInOneOrderStage12(PlannerAdapter):
     @overrides
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
         # Runs per parameter per step: while a backward walks the agreed order, an identity test against the
-        # parameter the walk expects next and a step along the chain; a planner call for any other.
+        # parameter the walk expects next, a task test and a step along the chain; a planner call for any other.
         planner = self._safe_zero_planner
         if planner is None:
             super().process_gradients(param, i)
             return
         step = planner.step
-        if param is step[0]:  # planner.carry_out, inlined: the next parameter of the agreed order
+        # planner.carry_out, inlined: the next parameter of the agreed order, in the walk's autograd task (a nested
+        # backward's hook goes to the planner, which stops there)
+        if param is step[0] and _current_graph_task_id() == planner.wake_task:
             planner.step = planner.steps[step[2]]
             if param.grad is None:
                 self._zero_fill(((param, WHY[FIRED]),))
@@ -72,7 +75,7 @@ class ReduceInOneOrderStage12(PlannerAdapter):
         # there is no graph to ask, and DeepSpeed calls in parameter order on every rank anyway.
         if planner.routes and not getattr(self, "_coalesce_grad_reduction", False) \
                 and (self.partition_gradients or self.overlap_comm and self._at_accumulation_boundary()):
-            task = torch._C._current_graph_task_id()
+            task = _current_graph_task_id()
             if task != -1:
                 self._carry_out(planner.hook(param, (i,), task))
                 return
