@@ -124,7 +124,9 @@ class ReductionOrder:
         self.args = args
         self.due = due
         self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
-        self._steps: tuple[list[bool] | None, list[Step | None]] | None = None
+        #: The steps built last, by ``reached``: taken as reaching every one (``None``; ZeRO-3: by due clock), and
+        #: the last pattern asked (a backward that asks builds on the one it began with, so both are kept).
+        self._steps: dict[bool, tuple[list[bool] | None, list[Step | None]]] = {}
 
     @classmethod
     def agree(cls, backend: Backend, arrived: list[Any], args: dict[int, tuple],
@@ -164,7 +166,7 @@ class ReductionOrder:
         long as no hook comes out of turn): a step per parameter it reaches, with the zeros after it, pointing at the
         next one it reaches. ZeRO-3 (``due``, ``reached`` None): a step per parameter, with its due clock. Built
         once per distinct ``reached``, in one pass from the end."""
-        cached = self._steps
+        cached = self._steps.get(reached is None)
         if cached is None or cached[0] is not reached and cached[0] != reached:
             params, n = self.sequences[0], len(self.sequences[0])
             steps: list[Step | None] = [None] * n + [(_At(n), NEVER if self.due is not None else (), n)]
@@ -179,8 +181,8 @@ class ReductionOrder:
                         continue
                     steps[k] = (params[k], tuple(reversed(zeros)), after)
                     after, zeros = k, []
-            self._steps = (reached, steps)
-        return self._steps[1]
+            cached = self._steps[reached is None] = (reached, steps)
+        return cached[1]
 
 
 def merge_orders(arrivals: list[list[int]], n: int, key: Callable[[int], Any]) -> list[int]:
