@@ -61,8 +61,10 @@ PROFILE_STEPS = {200: 5, 1000: 5, 20000: 2}
 #: off and on steps share its buffers, so fewer runs do.
 SWITCHED_ROUNDS = {200: 6, 1000: 24, 20000: 3}
 SWITCHED_BUILDS = {200: 1, 1000: 4, 20000: 2}
-#: Steps sampled by py-spy (``bodies.sampled_share``), by size.
+#: Steps sampled by py-spy (``bodies.sampled_share``), by size, after 2 not sampled: the agreeing step and the first
+#: walk, which builds the walk's steps once per agreed order.
 SAMPLED_STEPS = {200: 40, 1000: 200, 20000: 6}
+SAMPLED_WARMUP = 2
 SCALED_TIMEOUT = 3 * 3600.0
 RESULTS_JSON = os.path.join(ROOT, "benchmarks", "results.json")
 
@@ -197,7 +199,8 @@ def scaled_row(pool: DistPool, model: str, tensors: int, stage: int, rounds: int
                                          warmup=warmup)
     if sampled:
         row["sampled"] = pooled_samples(pool.run(bodies.sampled_share, stage=stage, model=model, tensors=tensors,
-                                                 steps=SAMPLED_STEPS[tensors], warmup=warmup, timeout=SCALED_TIMEOUT))
+                                                 steps=SAMPLED_STEPS[tensors], warmup=SAMPLED_WARMUP,
+                                                 timeout=SCALED_TIMEOUT))
     row["seconds"] = round(time.time() - started, 1)
     return row
 
