@@ -50,7 +50,8 @@ def fast_path_ns(stage: int, params: list[torch.nn.Parameter], repeats: int) -> 
     n = len(params)
     end = (object(), () if stage == 2 else 0, n)
     steps = [(p, () if stage == 2 else 0, k + 1) for k, p in enumerate(params)] + [end]
-    planner = SimpleNamespace(step=steps[0], steps=steps, wake_at=0)
+    # wake_task -1: the walk's autograd task, as outside a backward, where this loop runs
+    planner = SimpleNamespace(step=steps[0], steps=steps, wake_at=0, wake_task=-1)
     optimizer = SimpleNamespace(_safe_zero_planner=planner, _safe_zero_stock_hook=_nothing,
                                 _safe_zero_clock=SimpleNamespace(position=0))
     if stage == 2:

@@ -414,8 +414,10 @@ class Planner:
                 reached = walk.reached[0]
                 if reached is None:
                     reached = walk.reached[0] = _asked(self.backend, walk.order.sequences[0], at)
-                if reached[at]:  # the one expected comes later: parked, the fast path stays on and now skips the
-                    fired[id(param)] = args  # parameters this backward does not reach
+                if reached[at]:
+                    # The one expected comes later: parked, and the fast path stays on, now skipping what this
+                    # backward does not reach.
+                    fired[id(param)] = args
                     self.steps = walk.order.steps(reached)
                     self.step = self.steps[at]
                     return []
@@ -604,7 +606,7 @@ def carry_out(planner: Planner, param: Any, args: tuple, task: int, clock: int |
     parameter, then, after = planner.step
     if param is parameter:
         if clock is None:
-            if task == planner.wake_task:  # in the walk's own task: a nested backward's hook goes to hook, which stops
+            if task == planner.wake_task:  # the walk's own task: a nested backward's hook goes to hook, which stops
                 planner.step = planner.steps[after]
                 return [(param, args, FIRED), *then]
         elif clock >= then:
