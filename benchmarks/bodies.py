@@ -416,12 +416,18 @@ def safe_zero_share(stage: int, steps: int = 30, warmup: int = 3, model: str = "
     each with its calls per step and its own time's share of the step.
     """
     with _threads_for(model):
-        module = build(model, tensors)
-        engine = _engine(module, stage, True)
-        x = example_input(module)
-        for _ in range(warmup):
-            _step(engine, x)
+        module, engine, x = _warmed(stage, model, tensors, warmup)
         return _profiled(engine, x, steps, trainable_tensors(module), top)
+
+
+def _warmed(stage: int, model: str, tensors: int, warmup: int) -> tuple[nn.Module, Any, torch.Tensor]:
+    """``model`` in a safe_zero engine that has taken ``warmup`` steps: the module, the engine, the input."""
+    module = build(model, tensors)
+    engine = _engine(module, stage, True)
+    x = example_input(module)
+    for _ in range(warmup):
+        _step(engine, x)
+    return module, engine, x
 
 
 def _profiled(engine: Any, x: torch.Tensor, steps: int, tensors: int, top: int = 12) -> dict[str, Any]:
@@ -465,11 +471,7 @@ def sampled_share(stage: int, steps: int = 100, warmup: int = 3, model: str = "w
     import torch.distributed as dist
 
     with _threads_for(model):
-        module = build(model, tensors)
-        engine = _engine(module, stage, True)
-        x = example_input(module)
-        for _ in range(warmup):
-            _step(engine, x)
+        _, engine, x = _warmed(stage, model, tensors, warmup)
         with sampling(rate) as got:
             dist.barrier()
             with switched_off(engine) if off else contextlib.nullcontext():
