@@ -372,3 +372,18 @@ def test_a_sampled_share_renders_pooled_over_ranks_with_its_interval():
     assert f"| `moe` | 189 | ZeRO-2 | 200 (400) | 20000 | 160 | 0.80 % ({100 * low:.2f} to {100 * high:.2f} %) | " \
            "`a.py:f` 120, `c.py:h` 30, `b.py:g` 10 |" in text
     assert "| `moe` | 189 | ZeRO-3 | not sampled: py-spy is not installed | | | | |" in text
+
+
+def test_a_results_file_with_scaled_rows_only_renders(tmp_path):
+    """``run.py --only scaled --results NEW.json`` on a file no full run wrote: RESULTS.md has the scaled tables, and
+    no control table it has no rows for."""
+    from benchmarks import run
+
+    row = {"model": "moe", "size": 200, "stage": 2, **bodies.describe("moe", 200),
+           "sampled": {"samples": 1000, "ours": 10, "share": 0.01, "ci95": [0.005, 0.018], "steps": 40, "rate": 400,
+                       "functions": {"fixes/gradless/stage12.py:process_gradients": 10}}}
+    path = tmp_path / "RESULTS.md"
+    run.render({"scaled": {"moe/200/zero2": row}, "scaled_machine": "test"}, str(path))
+    text = path.read_text()
+    assert "| `moe` | 189 | ZeRO-2 | 40 (400) | 1000 | 10 | 1.00 % (0.50 to 1.80 %) |" in text
+    assert "control model" not in text
