@@ -21,6 +21,7 @@ run's scaled rows in RESULTS.md, ``--render`` rewrites RESULTS.md from results.j
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -212,10 +213,7 @@ def pooled_samples(per_rank: list[dict]) -> dict:
     if errors:
         return {"error": errors[0]}
     samples, ours = sum(r["samples"] for r in per_rank), sum(r["ours"] for r in per_rank)
-    functions: dict[str, int] = {}
-    for r in per_rank:
-        for name, n in r["functions"].items():
-            functions[name] = functions.get(name, 0) + n
+    functions = sum((collections.Counter(r["functions"]) for r in per_rank), collections.Counter())
     return {"samples": samples, "ours": ours, "share": ours / samples if samples else 0.0,
             "ci95": wilson(ours, samples), "steps": per_rank[0]["steps"], "rate": per_rank[0]["rate"],
             "functions": dict(sorted(functions.items(), key=lambda item: (-item[1], item[0])))}

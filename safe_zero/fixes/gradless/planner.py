@@ -277,7 +277,8 @@ class _Walk:
         self.clocked = clocked
         self.next = [0] * len(order.sequences)  # per sequence: the first parameter not yet handed over
         self.fired: dict[int, tuple] = {}  # parameters whose hook fired, waiting for the ones before them
-        self.reached: list[list[bool] | None] = [None] * len(order.sequences)  # ZeRO-1/2: asked once per backward
+        # ZeRO-1/2: asked at most once per backward, at its first hook out of turn (Planner.hook)
+        self.reached: list[list[bool] | None] = [None] * len(order.sequences)
         self.asked: dict[int, bool] = {}  # ZeRO-3: asked one by one, at module boundaries
 
     def hand_over(self, sequence: int, finish: bool = False, clock: int | None = None,
@@ -311,14 +312,9 @@ class _Walk:
         return handovers
 
     def reaches(self, sequence: int, k: int) -> bool:
-        """Whether this rank's backward reaches the ``k``-th parameter of ``sequence``, asked at most once per
-        backward (afresh in each: a held accumulator would be reused by the next forward)."""
+        """ZeRO-3: whether this rank's backward reaches the ``k``-th parameter of ``sequence``, asked once per
+        parameter and backward, at the module boundary where it is due (ZeRO-1/2 asks in :meth:`Planner.hook`)."""
         params = self.order.sequences[sequence]
-        if not self.clocked:  # ZeRO-1/2 asks at every hook: once for the rest of the sequence
-            reached = self.reached[sequence]
-            if reached is None:
-                reached = self.reached[sequence] = _asked(self.backend, params, k)
-            return reached[k]
         key = id(params[k])
         if key not in self.asked:
             self.asked[key] = self.backend.reached([params[k]])[0]
@@ -381,7 +377,7 @@ class Planner:
         self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
 
     # Over the complexity limit on purpose: the walk's hand-over is inlined here, the one call per gradient hook
-    # (issue 26: at most a couple of safe_zero calls per tensor per step); _Walk.hand_over is the same rule, uninlined.
+    # (issue 26: at most a couple of safe_zero calls per tensor per step); _Walk.hand_over is ZeRO-3's rule, uninlined.
     def hook(  # noqa: C901
             self, param: Any, args: tuple, task: int, clock: int | None = None, final: bool = True) -> list[Handover]:
         """``param``'s gradient hook fired in autograd task ``task`` (at module clock ``clock`` on ZeRO-3):
@@ -425,7 +421,7 @@ class Planner:
         if self.phase is Phase.HOLDING:
             fired[id(param)] = args
             return []
-        # ``walk.hand_over(sequence, clock=clock, ask=clock is None)``, inlined: it runs per parameter per step.
+        # The walk's hand-over (``_Walk.hand_over``), inlined: it runs per parameter per step.
         # On ZeRO-3 (a clock) a parameter whose hook will not fire waits for the next module boundary: asking
         # autograd at every hook costs more than the wait. ZeRO-1/2 asks at the first hook of a backward that comes
         # out of turn (above, or here once the fast path is off): a backward that reaches every parameter in the
