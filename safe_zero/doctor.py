@@ -22,11 +22,13 @@ from safe_zero.versions import SUPPORTED, installed_version
 
 
 def _versions() -> dict[str, dict[str, str | None]]:
-    """Per dependency: the installed release, the allowed range, the tested floor and newest, and where the
-    installed one stands (:meth:`safe_zero.versions.Supported.status`)."""
+    """Per dependency: the installed release, the allowed range, the tested floor and newest (with the date the
+    newest leg was last green on it where CI runs another, ``tested_ci``), and where the installed one stands
+    (:meth:`safe_zero.versions.Supported.status`)."""
     return {name: {"installed": (installed := installed_version(name)), "allowed": str(supported.allowed),
                    "tested_floor": supported.floor if supported.floor_tested else None,
-                   "tested_newest": supported.newest, "status": supported.status(installed)}
+                   "tested_ci": supported.ci_pin, "tested_newest": supported.newest,
+                   "newest_green_on": supported.newest_green_on, "status": supported.status(installed)}
             for name, supported in SUPPORTED.items()}
 
 
@@ -118,13 +120,22 @@ def diagnose(model_spec: str | None = None) -> dict[str, Any]:
 def _print(report: dict[str, Any]) -> None:
     print(f"{'package':14} {'installed':12} {'allowed':16} {'tested':22} status")
     for name, v in report["versions"].items():
-        tested = f"{v['tested_floor']} .. {v['tested_newest']}" if v["tested_floor"] else f"{v['tested_newest']} only"
+        if v["tested_floor"]:
+            tested = f"{v['tested_floor']} .. {v['tested_newest']}"
+        elif v["tested_ci"] != v["tested_newest"]:
+            tested = f"{v['tested_ci']}, {v['tested_newest']}"
+        else:
+            tested = f"{v['tested_newest']} only"
         status = v["status"]
         if status == "newer than tested":
             status += " (allowed, not run by safe_zero's suite yet)"
         elif status == "older than the floor":
             status += f" (refused: pip install '{name}{v['allowed']}')"
         print(f"{name:14} {v['installed'] or '-':12} {v['allowed']:16} {tested:22} {status}")
+    for name, v in report["versions"].items():
+        if v["newest_green_on"]:
+            print(f"{name} {v['tested_newest']}: the whole suite last green on {v['newest_green_on']} "
+                  f"(make test-newest; CI runs {v['tested_ci']})")
     print(f"supported DeepSpeed: {report['supported_deepspeed']}; DeepSpeed's own parameter_alignment option: "
           f"{'available (ZeRO-1/2, off unless asked)' if report['deepspeed_parameter_alignment_option'] else 'absent'}")
     print(f"{'fix':28} {'defect here':12} {'engages':8} needed on DeepSpeed")

@@ -1,9 +1,10 @@
 """The releases of each dependency safe_zero allows, and which of them the suite was last seen green on (a leaf).
 
 ``pyproject.toml`` declares the allowed ranges; ``constraints/ci.txt`` pins what ``make test`` installs
-(the tested newest), ``make test-floor`` installs every floor below, and ``make test-newest`` the newest
-releases the registry serves. ``tests/test_versions.py`` keeps the three in step with this table, so a
-range here is one the suite has run at both ends, or the README says it has not (``floor_tested``).
+(the tested newest, except torch's: CI runs the CPU wheel that installs offline), ``make test-floor`` installs
+every floor below, and ``make test-newest`` the newest releases the registry serves. ``tests/test_versions.py``
+keeps the three in step with this table, so a range here is one the suite has run at both ends, or the README
+says it has not (``floor_tested``).
 
 ``python -m safe_zero doctor`` reports the installed release of each against this table, and each
 integration refuses, at its import, a framework older than its floor (:func:`require`).
@@ -28,11 +29,14 @@ class Supported:
         distribution: the name pip installs.
         allowed: the range ``pyproject.toml`` declares.
         floor: the lowest allowed release (the lower bound of ``allowed``).
-        newest: the newest release ``make test`` (``constraints/ci.txt``) was last green on.
+        newest: the newest release the suite was last green on: what ``make test`` (``constraints/ci.txt``) pins,
+            or, where ``ci`` is set, what ``make test-newest`` installed.
         extra: the ``pip install 'safe-zero[extra]'`` that brings it (``None``: a core dependency).
         floor_tested: whether ``make test-floor`` was last green at ``floor``. Where it was not, or cannot run it
-            (torch: only the CPU wheel of ``newest`` installs offline here), the README says the floor is allowed,
+            (torch: the floor leg keeps CI's CPU wheel), the README says the floor is allowed,
             not tested, and doctor does not call it tested.
+        ci: the release ``constraints/ci.txt`` pins where it is not ``newest`` (torch: CI stays on the CPU wheel).
+        newest_green_on: the date ``make test-newest`` was last green on ``newest``, where CI does not run it.
     """
 
     distribution: str
@@ -41,6 +45,13 @@ class Supported:
     newest: str
     extra: str | None = None
     floor_tested: bool = True
+    ci: str | None = None
+    newest_green_on: str | None = None
+
+    @property
+    def ci_pin(self) -> str:
+        """The release ``make test`` installs (``constraints/ci.txt``)."""
+        return self.ci or self.newest
 
     def status(self, installed: str | None) -> str:
         """``"missing"``, ``"older than the floor"``, ``"tested"``, ``"within the tested range"`` or
@@ -54,13 +65,15 @@ class Supported:
             return "outside the allowed range"
         if version > Version(self.newest):
             return "newer than tested"
-        tested = {Version(self.newest)} | ({Version(self.floor)} if self.floor_tested else set())
+        tested = {Version(self.newest), Version(self.ci_pin)} | ({Version(self.floor)} if self.floor_tested else set())
         return "tested" if version in tested else "within the tested range"
 
 
 #: One row per dependency safe_zero integrates with; the README's "Supported versions" table shows the same.
 SUPPORTED: dict[str, Supported] = {s.distribution: s for s in (
-    Supported("torch", SpecifierSet(">=2.4"), floor="2.4", newest="2.13.0", floor_tested=False),
+    # CI pins the CPU wheel on this disk; the newest leg runs the newest torch PyPI serves (a CUDA build, on CPU).
+    Supported("torch", SpecifierSet(">=2.4"), floor="2.4", newest="2.15.0", floor_tested=False, ci="2.13.0",
+              newest_green_on="2026-12-05"),
     # DeepSpeed internals are subclassed; each minor release is checked by `make matrix` before it is allowed.
     # 0.18.0-0.18.2 lack the optimizer's enter_backward, which gradless_params extends (refused at import).
     Supported("deepspeed", SpecifierSet(">=0.18.3,<0.20"), floor="0.18.3", newest="0.19.8"),

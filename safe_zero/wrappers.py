@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from safe_zero.fixes.flat_buffer_autograd import DetachFlatBuffers
 from safe_zero.fixes.gradless_params import (AgreesOnModulesWhileRecording, KeepsOptionalModulesGathered,
-                                             ReduceInOneOrderStage3, ReduceInOneOrderStage12)
+                                             ReduceInOneOrderStage3, ReduceInOneOrderStage12, SafeZeROOrderedDict)
 from safe_zero.fixes.grouped_mm_alignment import (AlignAllReduceFetch, AlignFlatGroups, AlignRoundRobinGroups,
                                                    AlignStage3SubGroups, GuardGatheredAlignment,
                                                    LoadsUnpaddedCheckpoints)
@@ -79,4 +79,4 @@ SAFE_CLASSES = (
 )
 
 #: Every class whose mixins override DeepSpeed methods (``@overrides``), checked at import by ``verify_overrides``.
-OVERRIDING = SAFE_CLASSES + (SafeCUDAQuantizer, SafeGatheredTensor)
+OVERRIDING = SAFE_CLASSES + (SafeCUDAQuantizer, SafeGatheredTensor, SafeZeROOrderedDict)

@@ -299,6 +299,38 @@ class OptionalTower(nn.Module):
         return (self.head(h) - y).pow(2).mean()
 
 
+class _PatchEmbed(nn.Module):
+    """Reads its child's weight before calling it, as transformers' Qwen2-VL, SigLIP and Pixtral patch embeddings do
+    (``target_dtype = self.proj.weight.dtype``): no parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.proj(image.to(dtype=self.proj.weight.dtype))
+
+
+class ReadingTower(OptionalTower):
+    """``OptionalTower`` whose tower starts with ``_PatchEmbed``: the rank with an image reads ``tower.0.proj.weight``
+    before entering any module with parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = nn.Sequential(_PatchEmbed(), nn.Tanh(), nn.Linear(8, 8))
+
+
+class ForeignReadingTower(OptionalTower):
+    """``OptionalTower`` whose image path also reads a weight of a module every rank runs, outside that module
+    (``inp.bias``): a parameter read outside its module, on the ranks with an image only."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if image is not None:
+            h = h + self.tower(image) * self.inp.bias
+        return (self.head(h) - y).pow(2).mean()
+
+
 class _Shift(nn.Module):
     """A linear layer whose learned shift is added only when asked: entered on every rank, ``shift`` used on some."""
 

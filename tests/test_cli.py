@@ -15,6 +15,7 @@ from filelock import FileLock
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
 from safe_zero.op_builds import STALE_AFTER_S, build_directory, lock_is_advisory
+from safe_zero.versions import SUPPORTED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +46,10 @@ def test_doctor_probes_agree_with_the_declared_versions_and_reads_a_model():
     deepspeed_row = report["versions"]["deepspeed"]
     assert deepspeed_row["installed"] == str(DEEPSPEED_VERSION)
     assert deepspeed_row["status"] in ("tested", "within the tested range"), deepspeed_row
-    assert report["versions"]["torch"]["tested_floor"] is None  # only the newest torch is tested: doctor says so
+    torch_row = report["versions"]["torch"]
+    assert torch_row["tested_floor"] is None  # only CI's torch and the newest leg's are tested: doctor says so
+    assert (torch_row["tested_ci"], torch_row["tested_newest"], torch_row["newest_green_on"]) == \
+        (SUPPORTED["torch"].ci, SUPPORTED["torch"].newest, SUPPORTED["torch"].newest_green_on)
     fixes = report["fixes"]
     # Every release has these three; the probes must find them.
     assert fixes["zero3_zero_element_params"]["defect_present"] is True

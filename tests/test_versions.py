@@ -56,9 +56,13 @@ def test_ci_pins_the_tested_newest_of_every_dependency():
                 name, _, version = line.strip().partition("==")
                 pins[canonicalize_name(name)] = version
     for name, supported in SUPPORTED.items():
-        assert pins.get(name) == supported.newest, f"{name}: constraints/ci.txt pins {pins.get(name)}, " \
-                                                    f"safe_zero/versions.py says {supported.newest} was tested"
-        assert supported.newest in supported.allowed
+        assert pins.get(name) == supported.ci_pin, f"{name}: constraints/ci.txt pins {pins.get(name)}, " \
+                                                    f"safe_zero/versions.py says CI tests {supported.ci_pin}"
+        assert supported.newest in supported.allowed and supported.ci_pin in supported.allowed
+        # A newest that CI does not run was run by the newest leg: it is newer than CI's, and dated.
+        if supported.ci is not None:
+            assert Version(supported.ci) < Version(supported.newest), name
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", supported.newest_green_on or ""), name
 
 
 def test_the_floor_leg_installs_every_testable_floor():
@@ -85,6 +89,8 @@ def test_readme_table_shows_the_same_ranges():
         floor = supported.floor if supported.floor_tested else "not tested"
         row = f"| {name} | {floor} | {supported.newest} | `{supported.allowed}` |"
         assert row in table, row
+        if supported.newest_green_on:
+            assert f"Last green: {supported.newest_green_on}" in table, name
 
 
 @pytest.mark.parametrize("installed, status", [
@@ -99,6 +105,13 @@ def test_status_of_an_installed_release(installed, status):
 def test_an_untested_floor_is_not_called_tested():
     supported = Supported("pkg", SpecifierSet(">=2.0"), floor="2.0", newest="2.4.0", floor_tested=False)
     assert supported.status("2.0") == "within the tested range"
+
+
+def test_the_release_ci_pins_below_the_newest_leg_is_tested():
+    supported = Supported("pkg", SpecifierSet(">=2.0"), floor="2.0", newest="2.5.0", floor_tested=False, ci="2.3.0",
+                          newest_green_on="2026-12-05")
+    assert [supported.status(v) for v in ("2.3.0", "2.4.0", "2.5.0", "2.6.0")] == \
+        ["tested", "within the tested range", "tested", "newer than tested"]
 
 
 def test_an_integration_refuses_a_framework_older_than_its_floor(monkeypatch):

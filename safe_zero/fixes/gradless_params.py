@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from safe_zero.fixes.gradless import FIX
 from safe_zero.fixes.gradless.collectives import zero_grads_for
-from safe_zero.fixes.gradless.module_order import (AgreesOnModulesWhileRecording, KeepsOptionalModulesGathered,
-                                                   ModuleClock, blocks_to_gather_whole, make_leaves)
+from safe_zero.fixes.gradless.module_order import (AgreesBeforeReadingAParameter, AgreesOnModulesWhileRecording,
+                                                   KeepsOptionalModulesGathered, ModuleClock, SafeZeROOrderedDict,
+                                                   blocks_to_gather_whole, make_leaves)
 from safe_zero.fixes.gradless.planner import AT_EPILOGUE, Mode, Phase, Planner, ReductionOrder
 from safe_zero.fixes.gradless.stage3 import ReduceInOneOrderStage3
 from safe_zero.fixes.gradless.stage12 import ReduceInOneOrderStage12
 
-__all__ = ["AT_EPILOGUE", "FIX", "AgreesOnModulesWhileRecording", "KeepsOptionalModulesGathered", "Mode",
-           "ModuleClock", "Phase", "Planner", "ReduceInOneOrderStage12", "ReduceInOneOrderStage3", "ReductionOrder",
-           "blocks_to_gather_whole", "make_leaves", "zero_grads_for"]
+__all__ = ["AT_EPILOGUE", "FIX", "AgreesBeforeReadingAParameter", "AgreesOnModulesWhileRecording",
+           "KeepsOptionalModulesGathered", "Mode", "ModuleClock", "Phase", "Planner", "ReduceInOneOrderStage12",
+           "ReduceInOneOrderStage3", "ReductionOrder", "SafeZeROOrderedDict", "blocks_to_gather_whole", "make_leaves",
+           "zero_grads_for"]

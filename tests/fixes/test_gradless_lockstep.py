@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from safe_zero.fixes.gradless.lockstep import END, module_to_gather, skipped_modules
+from safe_zero.fixes.gradless.lockstep import END, module_of, module_to_gather, read_of, skipped_modules
 
 #: A VLM-shaped model in ``named_modules`` order: a tower before the language model it feeds.
 VLM = ["", "tower", "tower.patch", "tower.blocks", "tower.blocks.0", "tower.blocks.1", "lm", "lm.embed",
@@ -21,24 +21,29 @@ TEXT_ONLY = ["lm.embed", "lm.layers.0", "lm.layers.1", "lm.head"]
 
 
 def replay(forwards: list[list[str]], names: list[str]) -> list[str]:
-    """The gathers every rank makes together, in order, while each rank enters ``forwards[rank]``."""
+    """The gathers every rank makes together, in order, while each rank enters ``forwards[rank]`` (``"read:x"``: it
+    reads a parameter of ``x`` outside ``x``'s entry)."""
     ids = {name: i for i, name in enumerate(names)}
     order = {i: i for i in ids.values()}
     done = [0] * len(forwards)
     entered: list[list[str]] = [[] for _ in forwards]
     gathers = []
+
+    def announce(event: str) -> int:
+        return read_of(ids[event[5:]]) if event.startswith("read:") else ids[event]
+
     for _ in range(10 * sum(map(len, forwards)) + 10):
-        announced = [ids[f[k]] if k < len(f) else END for f, k in zip(forwards, done)]
+        announced = [announce(f[k]) if k < len(f) else END for f, k in zip(forwards, done)]
         chosen = module_to_gather(announced, order)
         if chosen is None and announced[0] == END:
             assert entered == forwards, "every rank entered its own modules, in its own order"
             return gathers
-        chosen = announced[0] if chosen is None else chosen
+        chosen = module_of(announced[0]) if chosen is None else chosen
         assert chosen != END
         gathers.append(names[chosen])
-        for rank, module in enumerate(announced):
-            if module == chosen:
-                entered[rank].append(names[module])
+        for rank, announcement in enumerate(announced):
+            if module_of(announcement) == chosen:
+                entered[rank].append(forwards[rank][done[rank]])
                 done[rank] += 1
     raise AssertionError(f"the rounds did not end: {gathers}")
 
@@ -61,6 +66,33 @@ def test_a_tower_some_ranks_skip_costs_no_extra_gather_where_it_comes_first(forw
     assert replay(forwards, VLM) == WITH_IMAGE
     alternatives = ["tower.blocks", "lm.layers"]  # ModuleLists: indexed, never called
     assert skipped_modules([entered(f, alternatives) for f in forwards], alternatives) == ["tower"]
+
+
+@pytest.mark.parametrize("forwards", [[["read:tower.patch"] + WITH_IMAGE, TEXT_ONLY],
+                                      [TEXT_ONLY, ["read:tower.patch"] + WITH_IMAGE, TEXT_ONLY]])
+def test_a_tower_read_before_any_entry_is_served_like_an_entry(forwards):
+    """A tower whose first module has no parameters of its own reads its child's weight (Qwen2-VL's
+    ``self.proj.weight.dtype``): the read is announced, the others serve it, and the tower is found skipped."""
+    assert replay(forwards, VLM) == ["tower.patch"] + WITH_IMAGE
+    alternatives = ["tower.blocks", "lm.layers"]
+    entries = [[e for e in f if not e.startswith("read:")] for f in forwards]
+    reads = [{e[5:] for e in f if e.startswith("read:")} for f in forwards]
+    assert skipped_modules([entered(f, alternatives) for f in entries], alternatives, reads) == ["tower"]
+
+
+def test_a_read_and_an_entry_of_one_module_share_one_gather():
+    """Announced apart (DeepSpeed gathers a read parameter alone, an entered module whole), served together."""
+    assert replay([["read:lm.embed", "lm.head"], ["lm.embed", "lm.head"]], VLM) == ["lm.embed", "lm.head"]
+
+
+def test_a_weight_read_outside_its_module_on_some_ranks_is_kept_gathered():
+    """Every rank enters ``lm.embed``; the ranks with an image also read its weight from the tower: what they read
+    is kept gathered with the tower, or the next forward would diverge again at the same read."""
+    with_image = ["lm.embed", "tower.patch", "read:lm.embed", "lm.head"]
+    text_only = ["lm.embed", "lm.head"]
+    assert replay([with_image, text_only], VLM) == ["lm.embed", "tower.patch", "lm.embed", "lm.head"]
+    entries = [entered(["lm.embed", "tower.patch", "lm.head"]), entered(text_only)]
+    assert skipped_modules(entries, (), [{"lm.embed"}, set()]) == ["lm.embed", "tower"]
 
 
 def test_a_model_registered_out_of_forward_order_still_lines_up():

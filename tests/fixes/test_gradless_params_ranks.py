@@ -27,8 +27,8 @@ from packaging.version import Version
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import (CheckpointedMoE, ExpertMoE, LateCheckpointedMoE, MovingScale, NonReentrantCheckpointedMoE,
-                          OptionalTower, RootExperts, SometimesShifted, build, expert_batch)
+from tests.models import (CheckpointedMoE, ExpertMoE, ForeignReadingTower, LateCheckpointedMoE, MovingScale,
+                          NonReentrantCheckpointedMoE, OptionalTower, ReadingTower, RootExperts, SometimesShifted, build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -51,7 +51,8 @@ MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "
           "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower,
           "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
           "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
-          "tower-all": OptionalTower, "moe-root": RootExperts}
+          "tower-all": OptionalTower, "moe-root": RootExperts, "tower-reads": ReadingTower,
+          "tower-reads-foreign": ForeignReadingTower}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -523,11 +524,12 @@ def test_safe_zero12_is_ddp_exact_on_an_optional_tower(ranks, stage, overlap, wo
         assert_ddp_exact(r, expected)
 
 
-def test_stock_zero3_fails_on_an_optional_tower(ranks, tmp_path):
+@pytest.mark.parametrize("model", ["tower", "tower-reads"])
+def test_stock_zero3_fails_on_an_optional_tower(ranks, tmp_path, model):
     # The rank that runs the tower gathers its parameters, the other the head's: gloo aborts one process
     # ("Received data size doesn't match expected size. Is there a distributed collective mismatch"), or one
     # rank waits in the collective until the pool's timeout.
-    error, logs = stock_failure(ranks, tmp_path, model="tower", safe=False, stage=3)
+    error, logs = stock_failure(ranks, tmp_path, model=model, safe=False, stage=3)
     assert_collective_mismatch(error, logs)
 
 
@@ -554,10 +556,12 @@ def test_safe_zero3_stops_on_an_optional_tower_naming_the_module_and_the_setting
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("model", ["tower", "tower-moving", "moe-root"])
+@pytest.mark.parametrize("model", ["tower", "tower-moving", "moe-root", "tower-reads", "tower-reads-foreign"])
 def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(ranks, model, world_size):
     """``tower``: only even ranks run it; ``tower-moving``: the ranks that run it change every step; ``moe-root``:
-    an experts ``ModuleList`` beside the root. The towers are found in the first forward (the ranks diverge, go on
+    an experts ``ModuleList`` beside the root; ``tower-reads``: the tower's first module has no parameters of its own
+    and reads its child's weight before calling it (Qwen2-VL's patch embedding); ``tower-reads-foreign``: the image
+    path reads a weight of a module every rank runs, outside it. The towers are found in the first forward (the ranks diverge, go on
     in lockstep and keep what some skipped gathered), the root's experts when the engine is built. (bf16: the
     ``stage3-found`` and ``stage3-root-experts`` cells below.)"""
     results = ranks.run(world_size, _train, grads=True, model=model, safe=True, world_size=world_size, stage=3,
@@ -568,7 +572,9 @@ def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(
     found = "some ranks skipped them" if model.startswith("tower") else "experts beside the model's root"
     kept = [what for what in results[0]["report"]["gradless_params"] if "kept gathered" in what]
     assert len(kept) == 1 and found in kept[0] and "per rank" in kept[0], kept
-    assert ("optional module(s) tower " if model.startswith("tower") else "optional module(s) experts ") in kept[0]
+    # ``tower-reads-foreign``: what the tower reads of ``inp`` from outside it stays gathered with it.
+    kept_names = {"moe-root": "experts", "tower-reads-foreign": "inp, tower"}.get(model, "tower")
+    assert f"optional module(s) {kept_names} kept" in kept[0]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

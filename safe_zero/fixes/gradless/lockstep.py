@@ -13,34 +13,53 @@ from typing import Iterable, Mapping, Sequence
 END = -1
 
 
+def read_of(module: int) -> int:
+    """What a rank announces before it reads a parameter of ``module`` that is not gathered, outside the module's
+    own entry (``self.proj.weight.dtype`` before calling ``self.proj``; a weight of another module): DeepSpeed would
+    gather that parameter alone, a collective unlike the module's fetch, so it is told apart from an entry."""
+    return END - 1 - module
+
+
+def module_of(announcement: int) -> int:
+    """The module an announcement is about (``END`` stays ``END``)."""
+    return announcement if announcement >= END else END - 1 - announcement
+
+
 def module_to_gather(announced: Sequence[int], order: Mapping[int, int]) -> int | None:
-    """One round: every rank announced the module it is about to gather (``END``: its forward is over).
+    """One round: every rank announced the module it is about to gather or read (``END``: its forward is over).
 
     ``None`` where all announced the same: each goes on with its own gather, as DeepSpeed does. Otherwise every
-    rank gathers the returned module's parameters together, the ranks that announced it enter it, and the others
-    announce theirs again. The module first in ``order`` (the model's ``named_modules`` order, which is usually
-    its forward order: a tower before the model it feeds) goes first, and ``END`` last, so every round lets at
-    least one rank on and the rounds end once every rank announced ``END``.
+    rank gathers the returned module's parameters together, the ranks that announced it (entry or read) go on with
+    it gathered, and the others announce theirs again. The module first in ``order`` (the model's ``named_modules``
+    order, which is usually its forward order: a tower before the model it feeds) goes first, and ``END`` last, so
+    every round lets at least one rank on and the rounds end once every rank announced ``END``.
     """
     if len(set(announced)) == 1:
         return None
-    return min(announced, key=lambda module: (module == END, order.get(module, len(order))))
+    first = min(announced, key=lambda a: (a == END, order.get(module_of(a), len(order))))
+    return module_of(first)
 
 
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def skipped_modules(entered: Sequence[Iterable[str]], alternatives: Iterable[str] = ()) -> list[str]:
-    """The outermost modules (qualified names) that some ranks entered in a forward and others did not.
+def _partial(per_rank: Sequence[Iterable[str]]) -> set[str]:
+    sets = [set(names) for names in per_rank]
+    return set.union(*sets) - set.intersection(*sets)
 
-    ``entered``: per rank, the modules its forward entered (hooks fired). A member of one of the
-    ``alternatives`` (an ``nn.ModuleList``/``ModuleDict`` of experts, which the forward indexes but never calls)
-    stands for the whole container: another member may be skipped by other ranks next time.
+
+def skipped_modules(entered: Sequence[Iterable[str]], alternatives: Iterable[str] = (),
+                    read: Sequence[Iterable[str]] = ()) -> list[str]:
+    """The outermost modules (qualified names) that some ranks entered in a forward and others did not, or whose
+    parameters some ranks read from outside them and others did not.
+
+    ``entered``: per rank, the modules its forward entered (hooks fired); ``read``: per rank, the modules whose
+    parameters it read outside their own entry (``read_of``). A member of one of the ``alternatives`` (an
+    ``nn.ModuleList``/``ModuleDict`` of experts, which the forward indexes but never calls) stands for the whole
+    container: another member may be skipped by other ranks next time.
     """
-    sets = [set(names) for names in entered]
-    every, some = set.intersection(*sets), set.union(*sets)
-    partial, alternatives = some - every, set(alternatives)
+    partial, alternatives = _partial(entered) | (_partial(read) if read else set()), set(alternatives)
     found: set[str] = set()
     for name in partial:
         while name and _parent(name) in partial:
@@ -49,4 +68,4 @@ def skipped_modules(entered: Sequence[Iterable[str]], alternatives: Iterable[str
     return sorted(n for n in found if not any(n.startswith(f"{outer}.") for outer in found))
 
 
-__all__ = ["END", "module_to_gather", "skipped_modules"]
+__all__ = ["END", "module_of", "module_to_gather", "read_of", "skipped_modules"]

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import datetime
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as torch_dist
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
@@ -18,7 +19,7 @@ from torch import nn
 
 from safe_zero.errors import RankDivergenceError
 from safe_zero.fixes.gradless import FIX
-from safe_zero.fixes.gradless.lockstep import END, module_to_gather, skipped_modules
+from safe_zero.fixes.gradless.lockstep import END, module_of, module_to_gather, read_of, skipped_modules
 from safe_zero.fixes.gradless.planner import Planner
 from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import zero_stage
@@ -173,6 +174,42 @@ def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
             'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')
 
 
+#: The flags of a module in ``_entered_by_rank``'s exchange.
+ENTERED, READ = 1, 2
+
+
+class AgreesBeforeReadingAParameter:
+    """Mixin for DeepSpeed's ``ZeROOrderedDict`` (a module's ``_parameters`` under ZeRO-3): a parameter read in a
+    forward while it is not gathered, outside its module's entry (Qwen2-VL's ``self.proj.weight.dtype`` before calling
+    ``self.proj``), is one DeepSpeed gathers on the reading rank alone. While the ranks record the module order the
+    coordinator agrees on it first (:meth:`AgreesOnModulesWhileRecording.agree_on_read`). The model's dictionaries
+    take this class for recording forwards only (:func:`_watch_reads`): every other read costs nothing."""
+
+    _safe_zero_coordinator: AgreesOnModulesWhileRecording
+
+    @overrides
+    def __getitem__(self, key: str) -> Any:
+        param = dict.__getitem__(self, key)  # type: ignore[arg-type]
+        if (param is not None and self._in_forward  # type: ignore[attr-defined]
+                and getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE):
+            self._safe_zero_coordinator.agree_on_read(self._parent_module, param)  # type: ignore[attr-defined]
+        return super().__getitem__(key)  # type: ignore[misc]
+
+
+class SafeZeROOrderedDict(AgreesBeforeReadingAParameter, ZeROOrderedDict):
+    """``ZeROOrderedDict`` that agrees before a read gathers, for recording forwards."""
+
+
+def _watch_reads(dicts: list[Any], coordinator: AgreesOnModulesWhileRecording | None) -> None:
+    """Give the model's parameter dictionaries the class that agrees on reads (a coordinator), or DeepSpeed's back
+    (``None``): the same instances, so DeepSpeed's own state on them stays."""
+    klass = ZeROOrderedDict if coordinator is None else SafeZeROOrderedDict
+    if dicts and type(dicts[0]) is not klass:
+        for params in dicts:
+            params.__class__ = klass
+            params._safe_zero_coordinator = coordinator
+
+
 @calls("is_record_trace", "is_complete_trace", "is_invalid_trace")
 class AgreesOnModulesWhileRecording:
     """Mixin for ``PartitionedParameterCoordinator``: kept modules out of the trace, and one module order.
@@ -198,9 +235,12 @@ class AgreesOnModulesWhileRecording:
     _safe_zero_names: dict[int, str] = {}
     _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
     _safe_zero_kept_params: list[nn.Parameter] = []
+    #: The model's parameter dictionaries (DeepSpeed's ``ZeROOrderedDict``), which watch reads in recording forwards.
+    _safe_zero_dicts: list[Any] = []
     _safe_zero_find_skipped = False
-    #: In a lockstep: the module this rank entered gathered whole, and the ``ds_id`` of every module inside it.
-    _safe_zero_entered_whole: nn.Module | None = None
+    #: In a lockstep: the modules this rank entered (or read) gathered whole, and the ``ds_id`` of every module
+    #: inside them.
+    _safe_zero_wholes: list[nn.Module] = []
     _safe_zero_inside: frozenset[int] | set[int] = frozenset()
     #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
     _safe_zero_built = itertools.count()
@@ -222,6 +262,7 @@ class AgreesOnModulesWhileRecording:
         self.module_clock = ModuleClock(lambda: not self.is_invalid_trace())
         self._safe_zero_recorded: list[int] = []  # the module ids of the trace being or last recorded
         self._safe_zero_recording: list[int] = []
+        self._safe_zero_read: set[int] = set()  # modules whose parameters this recording forward read from outside
         self._safe_zero_group: Any = None  # the data-parallel group of the last module agreed on
         self._safe_zero_diverged = False  # this forward's ranks went on in lockstep
         # DeepSpeed calls these per module entry: with nothing kept gathered and no divergence the overrides have
@@ -241,6 +282,7 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_alternatives = {name for name, m in named if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
         self._safe_zero_persistent = persistent
         self._safe_zero_find_skipped = find_skipped
+        self._safe_zero_dicts = [m._parameters for _, m in named if type(m._parameters) is ZeROOrderedDict]
 
     def keep_gathered(self, modules: dict[str, nn.Module], why: str, gather_now: bool = False) -> None:
         """Leave ``modules`` (by name) out of the trace, fetch and release, and keep their parameters gathered:
@@ -270,6 +312,8 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_followed = self._safe_zero_on and self.is_complete_trace()
         self._safe_zero_recording_now = self._safe_zero_on and self.is_record_trace()
         self._safe_zero_left = False
+        self._safe_zero_read = set()
+        _watch_reads(self._safe_zero_dicts, self if self._safe_zero_recording_now else None)
         self.module_clock.restart()
         released = [p for p in self._safe_zero_kept_params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if released:  # released on every rank alike: by an optimizer step, a checkpoint or empty_partition_cache
@@ -330,22 +374,25 @@ class AgreesOnModulesWhileRecording:
             params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
             if params:
                 self._safe_zero_group = params[0].ds_process_group
-                self._agree_on_module(current_submodule.ds_id)
+                self._agree_on_module(current_submodule.ds_id, params)
         super().fetch_sub_module(current_submodule, forward)
+
+    def agree_on_read(self, owner: nn.Module, param: nn.Parameter) -> None:
+        """A recording forward reads ``param`` of ``owner`` while it is not gathered, outside ``owner``'s entry:
+        DeepSpeed is about to gather it on this rank alone. The ranks agree on it first, as on an entry."""
+        if not self._safe_zero_recording_now or param.ds_numel == 0 or not hasattr(owner, "ds_id"):
+            return
+        self._safe_zero_read.add(owner.ds_id)
+        self._safe_zero_group = param.ds_process_group
+        self._agree_on_module(read_of(owner.ds_id), [param])
 
     @overrides
     def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
         if id(submodule) in self._safe_zero_kept_modules:
             return
         super().release_sub_module(submodule, forward)
-        if forward and submodule is self._safe_zero_entered_whole:
-            # Out of the module gathered whole: what its children's releases left gathered goes too, so every
-            # rank holds the same again.
-            self._safe_zero_entered_whole, self._safe_zero_inside = None, frozenset()
-            idle = [p for p in submodule.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE
-                    and not p.ds_active_sub_modules and not p.ds_persist]
-            if idle:
-                idle[0].partition(param_list=idle)
+        if forward and submodule in self._safe_zero_wholes:
+            self._leave_whole([submodule])
         if forward and self._safe_zero_diverged and submodule.ds_id == self._safe_zero_root_id:
             self._settle_divergence()
 
@@ -357,25 +404,41 @@ class AgreesOnModulesWhileRecording:
         dist.all_gather(everyone, mine, group=group)
         return [int(t.item()) for t in everyone]
 
-    def _agree_on_module(self, module_id: int) -> None:
-        """Before this rank gathers module ``module_id`` (``END``: after its forward), in a recording forward."""
-        if dist.get_world_size(group=self._safe_zero_group) < 2 or module_id in self._safe_zero_inside:
+    def _agree_on_module(self, announcement: int, params: Sequence[nn.Parameter] = ()) -> None:
+        """Before this rank gathers ``params`` of the module announced (an entry, or ``read_of`` one; ``END``: after
+        its forward), in a recording forward."""
+        module_id = module_of(announcement)
+        if dist.get_world_size(group=self._safe_zero_group) < 2:
             return
-        while (chosen := module_to_gather(announced := self._all_ints(module_id), self._safe_zero_order)) is not None:
+        if module_id in self._safe_zero_inside and all(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in params):
+            return  # gathered whole for this rank already
+        order = self._safe_zero_order
+        while (chosen := module_to_gather(announced := self._all_ints(announcement), order)) is not None:
             # A backward's gathers follow autograd, not this rule: a divergence there (a recomputed forward) stops.
             if not self._safe_zero_find_skipped or torch._C._current_graph_task_id() != -1:
-                raise RankDivergenceError(_divergence_message(self._safe_zero_names, announced))
+                raise RankDivergenceError(_divergence_message(self._safe_zero_names, list(map(module_of, announced))))
             self._safe_zero_diverged = True
             resume(self, "release_sub_module", AgreesOnModulesWhileRecording)  # the root's release settles it
-            # The whole module, its children included: a forward may read a child's weight before calling it
-            # (DeepSpeed then gathers it on this rank alone), and the ranks entering it gather nothing more inside.
+            # The whole module, its children included: a forward may read a child's weight before calling it, and
+            # the ranks entering it gather nothing more inside.
             _, module = self._safe_zero_modules[chosen]
-            params = [p for p in module.parameters() if p.ds_numel > 0]
-            self._gather_alike(params, entering=chosen == module_id)
+            self._gather_alike([p for p in module.parameters() if p.ds_numel > 0], entering=chosen == module_id)
             if chosen == module_id:
-                self._safe_zero_entered_whole = module
-                self._safe_zero_inside = {m.ds_id for m in module.modules() if hasattr(m, "ds_id")}
+                self._safe_zero_wholes = [*self._safe_zero_wholes, module]
+                self._safe_zero_inside = {*self._safe_zero_inside,
+                                          *(m.ds_id for m in module.modules() if hasattr(m, "ds_id"))}
                 return
+
+    def _leave_whole(self, modules: list[nn.Module]) -> None:
+        """Out of ``modules`` gathered whole for this rank: what their children's releases left gathered goes too,
+        so every rank holds the same again."""
+        self._safe_zero_wholes = [m for m in self._safe_zero_wholes if m not in modules]
+        self._safe_zero_inside = {m.ds_id for whole in self._safe_zero_wholes for m in whole.modules()
+                                  if hasattr(m, "ds_id")}
+        idle = [p for module in modules for p in module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE
+                and not p.ds_active_sub_modules and not p.ds_persist]
+        if idle:
+            idle[0].partition(param_list=idle)
 
     def _gather_alike(self, params: list[nn.Parameter], entering: bool) -> None:
         """Gather what of ``params`` is partitioned, on every rank together; a rank not ``entering`` their module
@@ -401,27 +464,30 @@ class AgreesOnModulesWhileRecording:
         then keep what some ranks skipped gathered and record the order again (on every rank alike)."""
         self._agree_on_module(END)
         self._safe_zero_diverged = False
+        self._leave_whole(self._safe_zero_wholes)  # modules only read, never entered
         if not self._safe_zero_kept_params:
             pass_through(self, "release_sub_module", AgreesOnModulesWhileRecording)
-        entered = self._entered_by_rank()
-        skipped = skipped_modules(entered, self._safe_zero_alternatives)
+        entered, read = self._entered_by_rank()
+        skipped = skipped_modules(entered, self._safe_zero_alternatives, read)
         modules = {name: self._modules_by_name[name] for name in skipped}
         if modules:
             self.keep_gathered(modules, "found: some ranks skipped them in a forward", gather_now=True)
         if not self.is_invalid_trace():
             self._invalidate_trace()  # this forward's order differs between the ranks: record it again
 
-    def _entered_by_rank(self) -> list[set[str]]:
-        """Per rank, the names of the modules this recording forward entered (a collective of one byte per
-        module)."""
+    def _entered_by_rank(self) -> tuple[list[set[str]], list[set[str]]]:
+        """Per rank, the names of the modules this recording forward entered, and of those whose parameters it read
+        from outside (a collective of one byte per module)."""
         order, group = self._safe_zero_order, self._safe_zero_group
         device = get_accelerator().current_device_name()
         mine = torch.zeros(len(order), dtype=torch.uint8, device=device)
-        mine[[order[i] for i in set(self._safe_zero_recording)]] = 1
+        mine[[order[i] for i in set(self._safe_zero_recording)]] = ENTERED
+        mine[[order[i] for i in self._safe_zero_read]] |= READ
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
         dist.all_gather(everyone, mine, group=group)
         names = [name for name, _ in self._safe_zero_modules.values()]
-        return [{names[i] for i in flags.nonzero().flatten().tolist()} for flags in everyone]
+        return ([{names[i] for i in (flags & ENTERED).nonzero().flatten().tolist()} for flags in everyone],
+                [{names[i] for i in (flags & READ).nonzero().flatten().tolist()} for flags in everyone])
 
     @property
     def _modules_by_name(self) -> dict[str, nn.Module]:
