@@ -1,0 +1,157 @@
+"""``make zoo``: every architecture the installed transformers ships that ``discover()`` finds, built tiny and trained
+on rank-dependent batches with stock DeepSpeed and with safe_zero, ZeRO-2 and ZeRO-3, each row against single-process
+training on the global batch; writes ``docs/zoo.md``.
+
+Vision-language models run at 2 and 3 ranks (images on the even ranks, text only on the odd ones), MoE causal LMs at
+2. Rows already measured by this checkout's versions are kept in ``.zoo/rows.jsonl`` and skipped on a rerun, so an
+interrupted run goes on where it stopped (``--fresh`` starts over).
+
+    python -m tests.zoo [--only MODEL_TYPE ...] [--kinds vlm moe_vlm moe_lm] [--fresh]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import torch
+
+from tests.zoo.architectures import Architecture, Unbuildable, build, discover
+from tests.zoo.rows import Outcome, reference, run_row
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CACHE = ROOT / ".zoo" / "rows.jsonl"
+TABLE = ROOT / "docs" / "zoo.md"
+STAGES = (2, 3)
+
+
+def world_sizes(arch: Architecture) -> tuple[int, ...]:
+    return (2,) if arch.kind == "moe_lm" else (2, 3)
+
+
+def versions() -> dict[str, str]:
+    import deepspeed
+    import transformers
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+            "safe_zero": commit.strip()}
+
+
+def _load(current: dict[str, str]) -> dict[tuple, dict]:
+    """The rows measured before with the same torch, DeepSpeed and transformers."""
+    rows: dict[tuple, dict] = {}
+    if CACHE.exists():
+        for line in CACHE.read_text().splitlines():
+            row = json.loads(line)
+            if all(row["versions"][k] == current[k] for k in ("torch", "deepspeed", "transformers")):
+                rows[row["model_type"], row.get("stage"), row.get("world_size"), row.get("safe")] = row
+    return rows
+
+
+def _save(row: dict) -> None:
+    CACHE.parent.mkdir(exist_ok=True)
+    with CACHE.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str]) -> None:
+    from safe_zero.ranks import Pools
+
+    pools = Pools()
+    try:
+        for arch in archs:
+            base = {"model_type": arch.model_type, "kind": arch.kind, "versions": current}
+            if (arch.model_type, None, None, None) in rows:
+                continue
+            try:
+                build(arch)
+            except Unbuildable as why:
+                rows[arch.model_type, None, None, None] = row = {**base, "unbuildable": str(why)}
+                _save(row)
+                continue
+            for world_size in world_sizes(arch):
+                expected = None
+                for stage in STAGES:
+                    for safe in (False, True):
+                        key = (arch.model_type, stage, world_size, safe)
+                        if key in rows:
+                            continue
+                        expected = expected or reference(arch, world_size)
+                        started = time.monotonic()
+                        outcome = run_row(pools, arch, stage, safe, world_size, expected,
+                                          timeout=240 if safe else 90)
+                        rows[key] = row = {**base, "stage": stage, "world_size": world_size, "safe": safe,
+                                           **vars(outcome), "seconds": round(time.monotonic() - started, 1)}
+                        _save(row)
+                        print(f"{arch.model_type} ZeRO-{stage} {world_size} ranks "
+                              f"{'safe_zero' if safe else 'stock'}: {outcome.cell()}", flush=True)
+    finally:
+        pools.close()
+
+
+def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str]) -> str:
+    def cell(model_type: str, stage: int, world_size: int, safe: bool) -> str:
+        row = rows.get((model_type, stage, world_size, safe))
+        if row is None:
+            return "not run"
+        return Outcome(row["verdict"], row["difference"], row["detail"]).cell()
+
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# The transformers zoo",
+        "",
+        f"Run {today} by `make zoo` on torch {current['torch']}, DeepSpeed {current['deepspeed']}, transformers "
+        f"{current['transformers']}, safe_zero {current['safe_zero']}; CPU/gloo, fp32, AdamW, clipping 1.0, 3 steps.",
+        "Each rank trains on its own token ids; for vision-language models the even ranks carry an image and the odd "
+        "ranks text only. A row is compared with single-process AdamW on the global batch: DDP-exact means every "
+        "parameter and every rank's loss within 1e-4 (the largest difference in brackets). `safe_zero` runs without "
+        "any `safe_zero` configuration. Architectures come from the installed transformers' auto mappings "
+        "(`tests/zoo/architectures.py`), not from a list.",
+        "",
+        "| architecture | kind | ranks | ZeRO-2 stock | ZeRO-2 safe_zero | ZeRO-3 stock | ZeRO-3 safe_zero | "
+        "kept gathered (ZeRO-3) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    unbuildable = []
+    for arch in archs:
+        if "unbuildable" in rows.get((arch.model_type, None, None, None), {}):
+            unbuildable.append((arch, rows[arch.model_type, None, None, None]["unbuildable"]))
+            continue
+        for world_size in world_sizes(arch):
+            kept = rows.get((arch.model_type, 3, world_size, True), {}).get("kept", "")
+            kept = kept.split(" kept gathered")[0].removeprefix("optional module(s) ") if kept else ""
+            lines.append(f"| {arch.model_type} | {arch.kind} | {world_size} | "
+                         + " | ".join(cell(arch.model_type, s, world_size, safe) for s in STAGES for safe in (False, True))
+                         + f" | {kept} |")
+    if unbuildable:
+        lines += ["", "## Not built tiny here", "", "| architecture | kind | why |", "|---|---|---|"]
+        lines += [f"| {arch.model_type} | {arch.kind} | {why} |" for arch, why in unbuildable]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="these model types only")
+    parser.add_argument("--kinds", nargs="*", default=["vlm", "moe_vlm", "moe_lm"])
+    parser.add_argument("--fresh", action="store_true", help="measure every row again")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    current = versions()
+    if args.fresh and CACHE.exists():
+        CACHE.unlink()
+    archs = [a for a in discover() if a.kind in args.kinds and (not args.only or a.model_type in args.only)]
+    rows = _load(current)
+    measure(archs, rows, current)
+    TABLE.write_text(render([a for a in discover() if a.kind in args.kinds], rows, current))
+    print(f"wrote {TABLE.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
