@@ -127,9 +127,8 @@ def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str
         for world_size in world_sizes(arch):
             kept = rows.get((arch.model_type, 3, world_size, True), {}).get("kept", "")
             kept = kept.split(" kept gathered")[0].removeprefix("optional module(s) ") if kept else ""
-            lines.append(f"| {arch.model_type} | {arch.kind} | {world_size} | "
-                         + " | ".join(cell(arch.model_type, s, world_size, safe) for s in STAGES for safe in (False, True))
-                         + f" | {kept} |")
+            cells = [cell(arch.model_type, s, world_size, safe) for s in STAGES for safe in (False, True)]
+            lines.append(f"| {arch.model_type} | {arch.kind} | {world_size} | {' | '.join(cells)} | {kept} |")
     if unbuildable:
         lines += ["", "## Not built tiny here", "", "| architecture | kind | why |", "|---|---|---|"]
         lines += [f"| {arch.model_type} | {arch.kind} | {why} |" for arch, why in unbuildable]

@@ -48,7 +48,8 @@ def _accelerate_trains_a_vlm() -> dict:
         accelerator = Accelerator(deepspeed_plugin=SafeDeepSpeedPlugin(hf_ds_config=_client_optimizer_config(world)))
         net = build(VLM)
         batches = _batches(VLM, net, dist.get_rank())
-        model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=LR, eps=EPS, weight_decay=0.0))
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
+        model, optimizer = accelerator.prepare(net, optimizer)
         losses = []
         for inputs in batches:
             loss = model(**inputs).loss
@@ -100,7 +101,8 @@ def _trainer_trains_a_vlm(output_dir: str) -> dict:
     try:
         args = TrainingArguments(output_dir=output_dir, deepspeed=ds, per_device_train_batch_size=1, max_steps=STEPS,
                                  learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
-                                 optim="adamw_torch", adam_epsilon=EPS, save_strategy="no", report_to=[], disable_tqdm=True,
+                                 optim="adamw_torch", adam_epsilon=EPS, save_strategy="no", report_to=[],
+                                 disable_tqdm=True,
                                  accelerator_config={"use_configured_state": cpu_distributed_state()})
         trainer = InOrder(model=build(VLM), args=args, train_dataset=_DealtBatches(world),
                           data_collator=lambda items: items[0], callbacks=[SafeZeroCallback()])
