@@ -44,10 +44,12 @@ def _accelerate_trains_a_vlm() -> dict:
     from tests.zoo.architectures import build
 
     world = dist.get_world_size()
+    # Built before the ZeRO-3 plugin exists: under it transformers would initialise the weights in
+    # ``deepspeed.zero.Init``, partition by partition, and they would not be the reference's.
+    net = build(VLM)
+    batches = _batches(VLM, net, dist.get_rank())
     try:
         accelerator = Accelerator(deepspeed_plugin=SafeDeepSpeedPlugin(hf_ds_config=_client_optimizer_config(world)))
-        net = build(VLM)
-        batches = _batches(VLM, net, dist.get_rank())
         optimizer = torch.optim.AdamW(net.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
         model, optimizer = accelerator.prepare(net, optimizer)
         losses = []
@@ -98,13 +100,14 @@ def _trainer_trains_a_vlm(output_dir: str) -> dict:
     ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
               gradient_clipping="auto")
     environ = dict(os.environ)
+    net, dealt = build(VLM), _DealtBatches(world)  # before TrainingArguments makes ZeRO-3 weights zero.Init's
     try:
         args = TrainingArguments(output_dir=output_dir, deepspeed=ds, per_device_train_batch_size=1, max_steps=STEPS,
                                  learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
                                  optim="adamw_torch", adam_epsilon=EPS, save_strategy="no", report_to=[],
                                  disable_tqdm=True,
                                  accelerator_config={"use_configured_state": cpu_distributed_state()})
-        trainer = InOrder(model=build(VLM), args=args, train_dataset=_DealtBatches(world),
+        trainer = InOrder(model=net, args=args, train_dataset=dealt,
                           data_collator=lambda items: items[0], callbacks=[SafeZeroCallback()])
         # Each rank's loss is its own mean, as the reference's: not Trainer's token count over the ranks.
         trainer.model_accepts_loss_kwargs = False
