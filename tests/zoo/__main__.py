@@ -2,11 +2,12 @@
 on rank-dependent batches with stock DeepSpeed and with safe_zero, ZeRO-2 and ZeRO-3, each row against single-process
 training on the global batch; writes ``docs/zoo.md``.
 
-Vision-language models run at 2 and 3 ranks (images on the even ranks, text only on the odd ones), MoE causal LMs at
-2. Rows already measured by this checkout's versions are kept in ``.zoo/rows.jsonl`` and skipped on a rerun, so an
-interrupted run goes on where it stopped (``--fresh`` starts over).
+Vision-language models run at 2 and 3 ranks (images on the even ranks, text only on the odd ones), MoE causal LMs
+(transformers' own, and the remote-code ones of ``tests/zoo/remote``) at 2. Rows already measured on the same
+versions are kept in ``.zoo/rows.jsonl`` and skipped on a rerun, so an interrupted run goes on where it stopped
+(``--fresh`` starts over).
 
-    python -m tests.zoo [--only MODEL_TYPE ...] [--kinds vlm moe_vlm moe_lm] [--fresh]
+    python -m tests.zoo [--only MODEL_TYPE ...] [--kinds vlm moe_vlm moe_lm remote_moe_lm] [--fresh]
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import time
 
 import torch
 
-from tests.zoo.architectures import Architecture, Unbuildable, build, discover
-from tests.zoo.rows import Outcome, reference, run_row
+from tests.zoo.architectures import Architecture, Unbuildable, discover
+from tests.zoo.rows import REMOTE, Outcome, build_model, reference, remote_architectures, run_row
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".zoo" / "rows.jsonl"
@@ -32,7 +33,12 @@ STAGES = (2, 3)
 
 
 def world_sizes(arch: Architecture) -> tuple[int, ...]:
-    return (2,) if arch.kind == "moe_lm" else (2, 3)
+    return (2, 3) if arch.kind in ("vlm", "moe_vlm") else (2,)
+
+
+def architectures(kinds: list[str]) -> list[Architecture]:
+    """What the installed transformers ships, and the remote-code MoE models of ``tests/zoo/remote``."""
+    return [a for a in discover() + remote_architectures() if a.kind in kinds]
 
 
 def versions() -> dict[str, str]:
@@ -71,7 +77,7 @@ def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[st
             if (arch.model_type, None, None, None) in rows:
                 continue
             try:
-                build(arch)
+                build_model(arch)
             except Unbuildable as why:
                 rows[arch.model_type, None, None, None] = row = {**base, "unbuildable": str(why)}
                 _save(row)
@@ -138,17 +144,17 @@ def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="these model types only")
-    parser.add_argument("--kinds", nargs="*", default=["vlm", "moe_vlm", "moe_lm"])
+    parser.add_argument("--kinds", nargs="*", default=["vlm", "moe_vlm", "moe_lm", REMOTE])
     parser.add_argument("--fresh", action="store_true", help="measure every row again")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     current = versions()
     if args.fresh and CACHE.exists():
         CACHE.unlink()
-    archs = [a for a in discover() if a.kind in args.kinds and (not args.only or a.model_type in args.only)]
+    archs = [a for a in architectures(args.kinds) if not args.only or a.model_type in args.only]
     rows = _load(current)
     measure(archs, rows, current)
-    TABLE.write_text(render([a for a in discover() if a.kind in args.kinds], rows, current))
+    TABLE.write_text(render(architectures(args.kinds), rows, current))
     print(f"wrote {TABLE.relative_to(ROOT)}")
 
 

@@ -14,7 +14,20 @@ from typing import Any
 
 import torch
 
+from tests.zoo import remote
 from tests.zoo.architectures import Architecture, batch, build
+
+#: The kind of the remote-code MoE causal LMs (``tests/zoo/remote``): experts as an ``nn.ModuleList`` of modules a rank
+#: enters only for the tokens routed to them, loaded through ``auto_map`` as ``trust_remote_code`` does.
+REMOTE = "remote_moe_lm"
+
+
+def remote_architectures() -> list[Architecture]:
+    return [Architecture(name, REMOTE) for name in remote.REMOTE_MODELS]
+
+
+def build_model(arch: Architecture) -> torch.nn.Module:
+    return remote.load(arch.model_type) if arch.kind == REMOTE else build(arch)
 
 STEPS = 3
 LR = 1e-3
@@ -26,11 +39,13 @@ TOLERANCE = 1e-4
 
 
 def has_image(arch: Architecture, rank: int) -> bool:
-    return arch.kind != "moe_lm" and rank % 2 == 0
+    return arch.kind in ("vlm", "moe_vlm") and rank % 2 == 0
 
 
 def _batches(arch: Architecture, model: torch.nn.Module, rank: int) -> list[dict[str, torch.Tensor]]:
     """Made before ZeRO partitions the model: a family's inputs may be sized from its unpartitioned modules."""
+    if arch.kind == REMOTE:
+        return [remote.batch(arch.model_type, rank, step) for step in range(STEPS)]
     return [batch(arch, model, rank, step, has_image(arch, rank)) for step in range(STEPS)]
 
 
@@ -48,7 +63,7 @@ def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int) -
     import safe_zero
 
     arch, rank = Architecture(model_type, kind), dist.get_rank()
-    model = build(arch)
+    model = build_model(arch)
     batches = _batches(arch, model, rank)
     init = safe_zero.initialize if safe else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -69,7 +84,7 @@ def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int) -
 
 def reference(arch: Architecture, world_size: int) -> dict[str, Any]:
     """Single-process fp32 AdamW + ``clip_grad_norm_`` on the mean of the ranks' losses."""
-    model = build(arch)
+    model = build_model(arch)
     batches = [_batches(arch, model, rank) for rank in range(world_size)]
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, eps=EPS, weight_decay=0.0)

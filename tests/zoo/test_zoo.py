@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.zoo.architectures import Architecture, discover  # noqa: E402
-from tests.zoo.rows import reference, run_row  # noqa: E402
+from tests.zoo.rows import REMOTE, reference, remote_architectures, run_row  # noqa: E402
 
 #: The vision-language families of the zoo's first run (issue 40): 12 of them aborted at ZeRO-3 with safe_zero before
 #: a parameter read outside its module's entry was agreed on (``AgreesBeforeReadingAParameter``), all 18 on stock.
@@ -25,10 +25,13 @@ THREE_RANKS = ("qwen2_5_vl", "gemma3", "qwen3_vl_moe")
 ZERO2 = ("qwen2_vl", "mllama", "glm4v_moe")
 
 _FOUND = {a.model_type: a for a in discover()}
+_REMOTE = {a.model_type: a for a in remote_architectures()}
 _REFERENCES: dict[tuple[str, int], dict] = {}
 
 
 def _arch(model_type: str) -> Architecture:
+    if model_type in _REMOTE:
+        return _REMOTE[model_type]
     assert model_type in _FOUND, f"{model_type} is not discovered in the installed transformers"
     return _FOUND[model_type]
 
@@ -61,6 +64,16 @@ def test_zero3_is_ddp_exact_at_three_ranks(ranks, model_type):
 def test_zero2_is_ddp_exact_with_text_only_ranks(ranks, model_type):
     outcome = _exact(ranks, model_type, 2, 2)
     assert outcome.verdict == "exact", outcome
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("model_type", sorted(_REMOTE))
+def test_remote_code_moe_with_module_list_experts_is_ddp_exact(ranks, model_type, stage):
+    """Experts as an ``nn.ModuleList`` that rank 1 mostly skips (DeepSeek-V3's and MiniMax's remote code): gathered
+    whole as ZeRO-3 leaf modules, reduced in one order at ZeRO-2."""
+    outcome = _exact(ranks, model_type, stage, 2)
+    assert outcome.verdict == "exact", outcome
+    assert _REMOTE[model_type].kind == REMOTE
 
 
 def test_stock_zero3_fails_on_a_vlm_with_text_only_ranks(ranks):
