@@ -1,0 +1,523 @@
+"""Tiny, randomly initialised models for every vision-language and MoE causal LM the installed transformers ships.
+
+``discover()`` lists them from transformers' auto mappings, ``build()`` shrinks each one's default config (a generic
+shrink, sized after transformers' own ``*ModelTester`` configs, plus per-family overrides) and ``batch()`` makes
+deterministic micro-batches with or without images, so the zoo can train each one and compare.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
+
+KINDS = ("vlm", "moe_vlm", "moe_lm")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str  # transformers' model_type, e.g. "qwen2_vl"
+    kind: str  # "vlm" (dense vision-language), "moe_vlm", or "moe_lm" (MoE causal LM)
+
+
+class Unbuildable(Exception):
+    """The architecture cannot be built tiny here; str(e) is the reason shown in the zoo's table (one line)."""
+
+
+# An expert count (num_experts, num_local_experts, n_routed_experts, moe_num_experts, ...), not the shared ones.
+_EXPERTS = re.compile(r"(?:^|_)(?:num|n)_(?!shared)\w*experts$")
+
+
+def _expert_count(config: dict[str, Any]) -> int:
+    counts = [0]
+    for key, value in config.items():
+        if isinstance(value, dict) and key not in _NOT_SIZES:  # DBRX's ffn_config
+            counts.append(_expert_count(value))
+        elif _EXPERTS.search(key):
+            if isinstance(value, int) and not isinstance(value, bool):
+                counts.append(value)
+            elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                counts.extend(value)
+    return max(counts)
+
+
+def _default_config(model_type: str) -> transformers.PretrainedConfig:
+    return CONFIG_MAPPING[model_type]()
+
+
+def _text_config(config: transformers.PretrainedConfig) -> dict[str, Any]:
+    try:
+        return config.get_text_config().to_dict()
+    except ValueError:  # several text configs: the one named so
+        return config.to_dict().get("text_config") or config.to_dict()
+
+
+def discover() -> list[Architecture]:
+    """Every image-text-to-text model and every MoE causal LM of the installed transformers, sorted by model_type."""
+    found: dict[str, Architecture] = {}
+    for model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        try:
+            moe = _expert_count(_text_config(_default_config(model_type))) > 1
+        except Exception:  # listed all the same: build() says why it cannot build it
+            moe = False
+        found[model_type] = Architecture(model_type, "moe_vlm" if moe else "vlm")
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if model_type in found:
+            continue
+        try:
+            config = _default_config(model_type).to_dict()
+        except Exception:  # no default config (gemma4_assistant): nothing says whether it has experts
+            continue
+        if _expert_count(config) > 1:
+            found[model_type] = Architecture(model_type, "moe_lm")
+    return sorted(found.values(), key=lambda arch: arch.model_type)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shrinking a default config
+
+VOCAB = 1024
+WIDTH = 64
+HEAD_DIM = 16
+HEADS = 4
+KV_HEADS = 2
+LAYERS = 2
+INTERMEDIATE = 128
+EXPERT_INTERMEDIATE = 32
+EXPERTS = 4
+TOP_K = 2
+PATCHES_PER_SIDE = 4  # image_size = 4 patches a side: 16 patches, a few tokens after merging
+
+_TOP_K = re.compile(r"^(num_experts_per_tok|num_experts_per_token|moe_topk|moe_k|num_selected_experts|moe_top_k)$")
+# First match wins; a size is only ever lowered (value -> min(value, size)).
+_SIZES: list[tuple[re.Pattern[str], int]] = [
+    (re.compile(p), size)
+    for p, size in [
+        (r"(?:^|_)(?:num|n)_shared\w*experts$", 1),
+        (_EXPERTS.pattern, EXPERTS),
+        (_TOP_K.pattern, TOP_K),
+        (r"^(n_group|num_expert_group|topk_group)$", 1),
+        (r"^(first_k_dense_replace|num_dense_layers)$", 1),
+        (r"(moe|expert|experts)_(intermediate_size|ffn_hidden_size|hidden_dim)$", EXPERT_INTERMEDIATE),
+        (r"^(share_expert_dim|shared_intermediate_size)$", EXPERT_INTERMEDIATE),
+        (r"^qk_rope_head_dim$", HEAD_DIM // 2),
+        (r"^qk_head_dim$", HEAD_DIM + HEAD_DIM // 2),
+        (r"^(qk_nope_head_dim|v_head_dim)$", HEAD_DIM),
+        (r"^(kv_lora_rank|q_lora_rank|o_lora_rank)$", 2 * HEAD_DIM),
+        (r"(?:^|_)head_dim$|^(d_kv|d_head|dim_head|attention_head_dim|attention_head_size)$", HEAD_DIM),
+        (r"(key_value_heads|kv_heads)$", KV_HEADS),
+        (r"(?:^|_)(num_attention_heads|num_heads|n_head|n_heads|attention_heads)$", HEADS),
+        (r"(?:^|_)(num_hidden_layers|num_layers|n_layer|n_layers|depth|encoder_layers|decoder_layers)$", LAYERS),
+        (r"^(num_global_layers|resampler_depth)$", LAYERS),
+        (r"intermediate_size|(?:^|_)ffn_dim$|^(d_ff|dff|dim_ff|d_inner|n_inner|ffn_hidden_size)$", INTERMEDIATE),
+        (
+            r"(?:^|_)(hidden_size|d_model|n_embd|embed_dim|hidden_dim|output_dim|projection_dim|projector_input_dim"
+            r"|projector_output_dim|word_embed_proj_dim|embedding_size|emb_dim|embedding_dim)$",
+            WIDTH,
+        ),
+        (r"(?:^|_)vocab_size(_per_layer_input)?$", VOCAB),
+    ]
+]
+_LAYER_COUNT = ("num_hidden_layers", "depth", "num_layers", "n_layer", "n_layers")
+# Lists of layer indices (deepstack_visual_indexes, fullatt_block_indexes, intermediate_layers_indices, ...).
+_LAYER_INDICES = re.compile(r"(indexes|indices|_layers|layer_ids|idxs)$")
+_DROPOUT = re.compile(r"drop")
+_NOT_SIZES = {"id2label", "label2id"}
+_TOKEN_ID = re.compile(r"token_(id|ids|index|idx)$|^(im_start_id|im_end_id|im_newline_id|image_patch_id)$")
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _head_dim(config: dict[str, Any]) -> int | None:
+    if _int(config.get("head_dim")):
+        return config["head_dim"]
+    heads = config.get("num_attention_heads", config.get("num_heads"))
+    if _int(config.get("hidden_size")) and _int(heads) and heads:
+        return config["hidden_size"] // heads
+    return None
+
+
+def _spread(values: list[Any], n: int) -> list[Any]:
+    """n of values, first and last kept: a layer_types list keeps both of its kinds of layer."""
+    if n <= 1:
+        return values[:n]
+    return [values[round(i * (len(values) - 1) / (n - 1))] for i in range(n)]
+
+
+def _shrunk(key: str, value: Any) -> Any:
+    """The value of one config entry in the tiny config: sizes lowered, dropout probabilities 0."""
+    if isinstance(value, float) and _DROPOUT.search(key):
+        return 0.0
+    if _int(value) and _TOP_K.search(key) and value > 0:
+        return TOP_K  # routing that depends on the tokens, the same k everywhere
+    size = next((size for pattern, size in _SIZES if pattern.search(key)), None)
+    if size is None:
+        return value
+    if _int(value):
+        return min(value, size)
+    if isinstance(value, list) and value and all(_int(v) for v in value):  # one size per modality (Ernie)
+        return [min(v, size) for v in value]
+    return value
+
+
+def _shrink(config: dict[str, Any]) -> None:
+    """Lower every size in a config dict and its sub-config dicts, in place."""
+    old = dict(config)
+    for key, value in config.items():
+        if isinstance(value, dict) and key not in _NOT_SIZES and key != "rope_parameters":
+            _shrink(value)
+        elif key not in _NOT_SIZES:
+            config[key] = _shrunk(key, value)
+    # Multi-head attention stays so; grouped-query attention keeps groups.
+    for heads, kv in (("num_attention_heads", "num_key_value_heads"), ("num_heads", "num_key_value_heads")):
+        if _int(old.get(kv)) and old.get(kv) == old.get(heads):
+            config[kv] = config[heads]
+    if _int(old.get("qk_rope_head_dim")) and old.get("head_dim") == old["qk_rope_head_dim"]:
+        config["head_dim"] = config["qk_rope_head_dim"]  # MLA: the rotary embedding's dim is the rope part's
+    _shrink_layer_lists(config, old)
+    _shrink_image(config)
+
+
+def _shrink_layer_lists(config: dict[str, Any], old: dict[str, Any]) -> None:
+    key = next((k for k in _LAYER_COUNT if _int(old.get(k))), None)
+    if key is None or config[key] == old[key]:
+        return
+    n_old, n_new = old[key], config[key]
+    for name, value in config.items():
+        if not isinstance(value, list) or not value:
+            continue
+        indices = all(_int(v) for v in value) and all(a < b for a, b in zip(value, value[1:]))
+        if _LAYER_INDICES.search(name) and indices:  # moe_layers, deepstack_visual_indexes, ...
+            scaled = [v if v < 0 else min(n_new - 1, v * n_new // n_old) for v in value]
+            config[name] = list(dict.fromkeys(scaled))
+        elif len(value) == n_old:  # one entry a layer (layer_types, no_rope_layers, ...)
+            config[name] = _spread(value, n_new)
+
+
+def _shrink_image(config: dict[str, Any]) -> None:
+    patch = config.get("patch_size")
+    if isinstance(patch, list) and patch and _int(patch[0]):
+        patch = patch[0]
+    if not _int(patch) or patch <= 0:
+        return
+    size = config.get("image_size")
+    if _int(size):
+        config["image_size"] = min(size, patch * PATCHES_PER_SIDE)
+    elif isinstance(size, list) and len(size) == 2:
+        config["image_size"] = [min(s, patch * PATCHES_PER_SIDE) for s in size]
+
+
+def _shrink_image_layout(config: dict[str, Any]) -> None:
+    """Image-token layouts the top-level config fixes, shrunk with the image."""
+    vision = config.get("vision_config")
+    size = vision.get("image_size") if isinstance(vision, dict) else None
+    if "mm_tokens_per_image" in config:  # Gemma3 pools the 4x4 patches to 2x2 tokens
+        config["mm_tokens_per_image"] = (PATCHES_PER_SIDE // 2) ** 2
+    if config.get("image_grid_pinpoints") and _int(size):  # anyres: one crop, as large as the base image
+        config["image_grid_pinpoints"] = [[size, size]]
+
+
+_MROPE_DEFAULT = re.compile(r'"mrope_section",\s*\[([\d,\s]+)\]')
+
+
+def _set_mrope_section(text: dict[str, Any], model_class: type[torch.nn.Module]) -> None:
+    """Multimodal RoPE splits the rotary half-dim into (t, h, w) sections, most families' in a default in the modeling
+    code ([16, 24, 24] for head dim 128): scaled to the shrunk head dim, the odd one out taking the rounding."""
+    rope = text.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    sections = rope.get("mrope_section")
+    if sections is None:
+        default = _MROPE_DEFAULT.search(inspect.getsource(sys.modules[model_class.__module__]))
+        if default is None:
+            return
+        sections = [int(s) for s in default.group(1).split(",") if s.strip()]
+    half = int(_head_dim(text) * rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))) // 2
+    scaled = [s * half // sum(sections) for s in sections]
+    odd = next((i for i, s in enumerate(sections) if sections.count(s) == 1), 0)
+    scaled[odd] += half - sum(scaled)
+    rope["mrope_section"] = scaled
+
+
+def _remap_token_ids(config: dict[str, Any], ids: dict[int, int]) -> None:
+    """Special token ids past the shrunk vocab move to its top, the same old id to the same new one everywhere."""
+    for key, value in config.items():
+        if key in _NOT_SIZES:
+            continue
+        if isinstance(value, dict):
+            _remap_token_ids(value, ids)
+        elif _TOKEN_ID.search(key) and _int(value) and value >= VOCAB:
+            config[key] = ids.setdefault(value, VOCAB - 1 - len(ids))
+        elif _TOKEN_ID.search(key) and isinstance(value, list) and all(_int(v) for v in value):
+            config[key] = [ids.setdefault(v, VOCAB - 1 - len(ids)) if v >= VOCAB else v for v in value]
+
+
+# Per-family fixes after the generic shrink: sizes that must agree with each other (the testers' values).
+def _llama4(config: dict[str, Any]) -> None:
+    vision = config["vision_config"]
+    # The pixel shuffle folds 1/ratio**2 patches into one vector, which the projector MLP's fc1 reads.
+    vision["intermediate_size"] = int(vision["hidden_size"] / vision["pixel_shuffle_ratio"] ** 2)
+    vision["vision_output_dim"] = vision["projector_output_dim"]
+
+
+def _mllama(config: dict[str, Any]) -> None:
+    vision = config["vision_config"]
+    # The projector reads the last hidden state concatenated with each intermediate layer's.
+    vision["vision_output_dim"] = vision["hidden_size"] * (len(vision["intermediate_layers_indices"]) + 1)
+    config["text_config"]["cross_attention_layers"] = [1]  # one self-attention layer, one cross-attention layer
+
+
+def _dbrx(config: dict[str, Any]) -> None:
+    # DbrxAttention reads rope_theta from attn_config, where DbrxConfig no longer puts it.
+    config["attn_config"]["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    config["attn_config"]["clip_qkv"] = 8.0  # None reaches torch.clamp(min=None, max=None), which raises; 8 is DBRX's
+
+
+_OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "dbrx": _dbrx,
+    "llama4": _llama4,
+    "mllama": _mllama,
+}
+
+# Families that cannot be built tiny here, with the reason.
+_UNBUILDABLE: dict[str, str] = {}
+
+
+def tiny_config(arch: Architecture) -> transformers.PretrainedConfig:
+    if arch.model_type in _UNBUILDABLE:
+        raise Unbuildable(_UNBUILDABLE[arch.model_type])
+    config_class = CONFIG_MAPPING[arch.model_type]
+    try:
+        config = config_class().to_dict()
+    except Exception as e:
+        raise Unbuildable(f"no default config: {_line(e)}") from e
+    _shrink(config)
+    _remap_token_ids(config, {})
+    _set_mrope_section(config.get("text_config", config), _model_class(arch))
+    _shrink_image_layout(config)
+    if arch.model_type in _OVERRIDES:
+        _OVERRIDES[arch.model_type](config)
+    try:
+        return config_class.from_dict(config)
+    except Exception as e:
+        raise Unbuildable(f"shrunk config rejected: {_line(e)}") from e
+
+
+def _line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def _model_class(arch: Architecture) -> type[torch.nn.Module]:
+    names = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if arch.kind != "moe_lm" else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return getattr(transformers, names[arch.model_type])
+
+
+def build(arch: Architecture, seed: int = 0) -> torch.nn.Module:
+    """A tiny fp32 model of the class the auto mapping names, seeded, in train() mode, every dropout at 0."""
+    config = tiny_config(arch)
+    torch.manual_seed(seed)
+    try:
+        model = _model_class(arch)._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    except Exception as e:
+        raise Unbuildable(f"construction fails: {_line(e)}") from e
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.float().train()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batches
+
+TEXT_BATCH = 2
+TEXT_LEN = 16
+
+
+def _forward_params(model: torch.nn.Module) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _special_ids(config: transformers.PretrainedConfig) -> set[int]:
+    found: set[int] = set()
+
+    def walk(d: dict[str, Any]) -> None:
+        for key, value in d.items():
+            if key in _NOT_SIZES:
+                continue
+            if isinstance(value, dict):
+                walk(value)
+            elif _TOKEN_ID.search(key) and _int(value):
+                found.add(value)
+            elif _TOKEN_ID.search(key) and isinstance(value, list):
+                found.update(v for v in value if _int(v))
+
+    walk(config.to_dict())
+    return found
+
+
+def _text_tokens(model: torch.nn.Module, generator: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """Random ids below every special token id, so no text token is read as an image or a separator."""
+    vocab = model.get_input_embeddings().num_embeddings
+    specials = [i for i in _special_ids(model.config) if 0 <= i < vocab]
+    high = min([vocab, *[i for i in specials if i >= vocab // 2]])
+    return torch.randint(4, high, shape, generator=generator)
+
+
+def _generator(rank: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1_000_003 * rank + step)
+
+
+def _image_token_id(config: transformers.PretrainedConfig) -> int:
+    for key in ("image_token_id", "image_token_index"):
+        if _int(getattr(config, key, None)):
+            return getattr(config, key)
+    raise Unbuildable("no image_token_id in the config")
+
+
+def _vision_config(config: transformers.PretrainedConfig) -> Any:
+    return getattr(config, "vision_config", None)
+
+
+def _image_size(config: transformers.PretrainedConfig) -> tuple[int, int]:
+    vision = _vision_config(config)
+    size = getattr(vision, "image_size", None)
+    if isinstance(size, (list, tuple)):
+        return int(size[0]), int(size[1])
+    if _int(size):
+        return size, size
+    patch = getattr(vision, "patch_size", 14)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    return patch * PATCHES_PER_SIDE, patch * PATCHES_PER_SIDE
+
+
+def _channels(config: transformers.PretrainedConfig) -> int:
+    vision = _vision_config(config)
+    return int(getattr(vision, "num_channels", getattr(vision, "in_channels", 3)))
+
+
+def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[str, Any], int | None]:
+    """The pixel inputs of one image, in the layout the family's forward takes, and its number of image tokens where
+    the layout fixes it (None: count them with get_image_features)."""
+    config = model.config
+    params = _forward_params(model)
+    height, width = _image_size(config)
+    channels = _channels(config)
+    vision = _vision_config(config)
+    if "image_grid_thw" in params:  # Qwen2-VL's flattened patches, merged spatial_merge_size**2 to a token
+        patch = vision.patch_size
+        temporal = getattr(vision, "temporal_patch_size", 1)
+        merge = getattr(vision, "spatial_merge_size", 1)
+        grid = torch.tensor([[1, 2 * merge, 2 * merge]])
+        pixel_values = torch.randn(int(grid.prod()), channels * temporal * patch * patch, generator=generator)
+        return {"pixel_values": pixel_values, "image_grid_thw": grid}, 4
+    if "aspect_ratio_ids" in params:  # Mllama: tiles of images, cross-attended from one <|image|> token
+        tiles = vision.max_num_tiles
+        pixel_values = torch.randn(1, 1, tiles, channels, height, width, generator=generator)
+        one_tile = torch.zeros(1, 1, tiles, dtype=torch.long)
+        one_tile[..., 0] = 1
+        ids = torch.ones(1, 1, dtype=torch.long)
+        return {"pixel_values": pixel_values, "aspect_ratio_ids": ids, "aspect_ratio_mask": one_tile}, 1
+    pixel_values = torch.randn(1, channels, height, width, generator=generator)
+    inputs: dict[str, Any] = {"pixel_values": pixel_values}
+    if getattr(config, "image_grid_pinpoints", None):  # LLaVA-NeXT's anyres: the base image and its one crop
+        inputs["pixel_values"] = torch.randn(1, 2, channels, height, width, generator=generator)
+        inputs["image_sizes"] = torch.tensor([[height, width]])
+    elif "image_sizes" in params and "image_sizes" in inspect.signature(vision_tower(model).forward).parameters:
+        inputs["image_sizes"] = torch.tensor([[height, width]])  # Pixtral's variable-size patches
+    if "pixel_attention_mask" in params:  # Idefics3: a list of images per sample
+        inputs["pixel_values"] = pixel_values[:, None]
+        inputs["pixel_attention_mask"] = torch.ones(1, 1, height, width, dtype=torch.bool)
+    return inputs, None
+
+
+def _count_image_tokens(model: torch.nn.Module, pixels: dict[str, Any]) -> int:
+    """How many image tokens the family's get_image_features makes of these pixels."""
+    with torch.no_grad():
+        features = model.get_image_features(**pixels)
+    features = getattr(features, "pooler_output", features)
+    if isinstance(features, torch.Tensor):
+        features = [features]
+    width = model.get_input_embeddings().embedding_dim
+    return sum(f.numel() for f in features) // width
+
+
+def _first_int(config: transformers.PretrainedConfig, *keys: str) -> int | None:
+    return next((getattr(config, k) for k in keys if _int(getattr(config, k, None))), None)
+
+
+def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, image: bool) -> dict[str, torch.Tensor]:
+    """One deterministic micro-batch (seeded from rank and step); labels = input_ids, so model(**batch).loss is the LM
+    loss. image=True: one image and its tokens; image=False (or an MoE LM): text only, no pixel keys at all."""
+    generator = _generator(rank, step)
+    if not image or arch.kind == "moe_lm":
+        input_ids = _text_tokens(model, generator, (TEXT_BATCH, TEXT_LEN))
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+    config = model.config
+    pixels, n_image = _pixels(model, generator)
+    if n_image is None:
+        n_image = _count_image_tokens(model, pixels)
+    image_id = _image_token_id(config)
+    image_ids = [image_id] * n_image
+    start = _first_int(config, "vision_start_token_id", "image_start_token_id")
+    end = _first_int(config, "vision_end_token_id", "image_end_token_id")
+    if start is not None:
+        image_ids = [start, *image_ids]
+    if end is not None:
+        image_ids = [*image_ids, end]
+    before = _text_tokens(model, generator, (1, 4))
+    after = _text_tokens(model, generator, (1, TEXT_LEN - 4))
+    input_ids = torch.cat([before, torch.tensor([image_ids]), after], dim=1)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **pixels}
+    params = _forward_params(model)
+    if "mm_token_type_ids" in params:  # M-RoPE's positions: text 0, image 1
+        inputs["mm_token_type_ids"] = (input_ids == image_id).int()
+    if "cross_attention_mask" in params:  # Mllama: every token sees the image's first tile
+        inputs["cross_attention_mask"] = pixels["aspect_ratio_mask"][:, None].expand(1, input_ids.shape[1], -1, -1)
+    inputs["labels"] = input_ids.clone()
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "vision")
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
+    """The vision encoder of a VLM: the first submodule named like one (visual, vision_tower, vision_model, ...)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _TOWER_NAMES:
+            return module
+    raise LookupError(f"{type(model).__name__} has no module named like a vision tower")
+
+
+def _report(arch: Architecture) -> str:
+    start = time.perf_counter()
+    try:
+        model = build(arch)
+    except Unbuildable as e:
+        return str(e)
+    for image in (True, False) if arch.kind != "moe_lm" else (False,):
+        model.zero_grad(set_to_none=True)
+        model(**batch(arch, model, rank=0, step=0, image=image)).loss.backward()
+    params = sum(p.numel() for p in model.parameters())
+    return f"built ({params} params, {time.perf_counter() - start:.2f} s)"
+
+
+if __name__ == "__main__":
+    transformers.logging.set_verbosity_error()
+    for arch in discover():
+        print(f"{arch.model_type:28} {arch.kind:8} {_report(arch)}", flush=True)
