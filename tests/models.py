@@ -331,6 +331,15 @@ class ForeignReadingTower(OptionalTower):
         return (self.head(h) - y).pow(2).mean()
 
 
+class TiedTower(OptionalTower):
+    """``OptionalTower`` whose last tower layer shares its weight with ``inp``, a module every rank runs: a weight
+    shared by a module some ranks skip and one they all run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower[2].weight = self.inp.weight
+
+
 class _Shift(nn.Module):
     """A linear layer whose learned shift is added only when asked: entered on every rank, ``shift`` used on some."""
 

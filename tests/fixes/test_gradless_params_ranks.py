@@ -28,7 +28,8 @@ from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
 from tests.models import (CheckpointedMoE, ExpertMoE, ForeignReadingTower, LateCheckpointedMoE, MovingScale,
-                          NonReentrantCheckpointedMoE, OptionalTower, ReadingTower, RootExperts, SometimesShifted, build, expert_batch)
+                          NonReentrantCheckpointedMoE, OptionalTower, ReadingTower, RootExperts, SometimesShifted,
+                          TiedTower, build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -52,7 +53,7 @@ MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "
           "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
           "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
           "tower-all": OptionalTower, "moe-root": RootExperts, "tower-reads": ReadingTower,
-          "tower-reads-foreign": ForeignReadingTower}
+          "tower-reads-foreign": ForeignReadingTower, "tower-tied": TiedTower}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -556,12 +557,14 @@ def test_safe_zero3_stops_on_an_optional_tower_naming_the_module_and_the_setting
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("model", ["tower", "tower-moving", "moe-root", "tower-reads", "tower-reads-foreign"])
+@pytest.mark.parametrize("model", ["tower", "tower-moving", "moe-root", "tower-reads", "tower-reads-foreign",
+                                   "tower-tied"])
 def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(ranks, model, world_size):
     """``tower``: only even ranks run it; ``tower-moving``: the ranks that run it change every step; ``moe-root``:
     an experts ``ModuleList`` beside the root; ``tower-reads``: the tower's first module has no parameters of its own
     and reads its child's weight before calling it (Qwen2-VL's patch embedding); ``tower-reads-foreign``: the image
-    path reads a weight of a module every rank runs, outside it. The towers are found in the first forward (the ranks diverge, go on
+    path reads a weight of a module every rank runs, outside it; ``tower-tied``: a tower layer shares its weight with a
+    module every rank runs. The towers are found in the first forward (the ranks diverge, go on
     in lockstep and keep what some skipped gathered), the root's experts when the engine is built. (bf16: the
     ``stage3-found`` and ``stage3-root-experts`` cells below.)"""
     results = ranks.run(world_size, _train, grads=True, model=model, safe=True, world_size=world_size, stage=3,
@@ -974,3 +977,32 @@ def test_safe_coalesced_flush_is_ddp_exact_on_rank_dependent_parameters(ranks, m
     expected = reference(model, world_size, accumulation=CHUNKS)
     for r in results:
         assert max_error(r, expected) < TOLERANCE
+
+
+def _parameter_dict_classes(safe: bool) -> list[str]:
+    """The class of a module's parameter dictionary in each forward of ``tower-reads`` at ZeRO-3, seen right after
+    DeepSpeed's start-of-forward hook."""
+    import deepspeed
+    import torch.distributed as dist
+
+    import safe_zero
+
+    net = build(ReadingTower)
+    seen: list[str] = []
+    init = safe_zero.initialize if safe else deepspeed.initialize
+    engine, *_ = init(model=net, model_parameters=list(net.parameters()), config=config(3, dist.get_world_size()))
+    net.register_forward_pre_hook(lambda module, args: seen.append(type(net.inp._parameters).__name__))
+    for step in range(4):
+        engine.backward(engine(*micro_batch("tower-reads", dist.get_rank(), dist.get_world_size(), step)))
+        engine.step()
+    return seen
+
+
+def test_parameter_reads_are_watched_in_recording_forwards_only(ranks):
+    """safe_zero's parameter dictionary while DeepSpeed records its module order (the first forward, and the next,
+    since the tower found there changes the order), DeepSpeed's own once the order is recorded; stock's always (at
+    one rank: stock aborts on this model at two)."""
+    for seen in ranks.run(2, _parameter_dict_classes, safe=True):
+        assert seen[0] == "SafeZeROOrderedDict" and seen[-2:] == ["ZeROOrderedDict"] * 2, seen
+    stock, = ranks.run(1, _parameter_dict_classes, safe=False)
+    assert stock == ["ZeROOrderedDict"] * 4, stock

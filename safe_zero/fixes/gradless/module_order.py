@@ -176,6 +176,9 @@ def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
 
 #: The flags of a module in ``_entered_by_rank``'s exchange.
 ENTERED, READ = 1, 2
+#: Held in a kept parameter's ``ds_active_sub_modules`` while a module that shares it is released: DeepSpeed releases
+#: only parameters no module is using.
+_KEPT = -1
 
 
 class AgreesBeforeReadingAParameter:
@@ -235,6 +238,7 @@ class AgreesOnModulesWhileRecording:
     _safe_zero_names: dict[int, str] = {}
     _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
     _safe_zero_kept_params: list[nn.Parameter] = []
+    _safe_zero_kept_set: frozenset[nn.Parameter] = frozenset()
     #: The model's parameter dictionaries (DeepSpeed's ``ZeROOrderedDict``), which watch reads in recording forwards.
     _safe_zero_dicts: list[Any] = []
     _safe_zero_find_skipped = False
@@ -295,10 +299,11 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_kept_modules = {*self._safe_zero_kept_modules,
                                         *(id(m) for outer in modules.values() for m in outer.modules())}
         self._safe_zero_kept_params = list(dict.fromkeys([*self._safe_zero_kept_params, *params]))
+        self._safe_zero_kept_set = frozenset(self._safe_zero_kept_params)
         for name in ("trace_prologue", "release_sub_module"):
             resume(self, name, AgreesOnModulesWhileRecording)
         if gather_now:
-            self._gather_alike(params, entering=True)
+            self._gather_alike(params, entering=True, name=", ".join(modules))
         session_for(self).engaged(FIX, f"optional module(s) {', '.join(modules)} kept gathered on every rank under "
                                        f"ZeRO-3 ({why}; {_size(params)} per rank)")
 
@@ -390,7 +395,17 @@ class AgreesOnModulesWhileRecording:
     def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
         if id(submodule) in self._safe_zero_kept_modules:
             return
-        super().release_sub_module(submodule, forward)
+        # While DeepSpeed records it releases persistent parameters too: a kept one that this module shares (a weight
+        # tied to a module some ranks skip) stays gathered, or the kept module would read it released on its ranks.
+        kept = self._safe_zero_kept_set
+        shared = [p for p in _module_params(submodule) if p.ds_persist and p in kept] if kept else []
+        for param in shared:
+            param.ds_active_sub_modules.add(_KEPT)
+        try:
+            super().release_sub_module(submodule, forward)
+        finally:
+            for param in shared:
+                param.ds_active_sub_modules.discard(_KEPT)
         if forward and submodule in self._safe_zero_wholes:
             self._leave_whole([submodule])
         if forward and self._safe_zero_diverged and submodule.ds_id == self._safe_zero_root_id:
@@ -421,8 +436,8 @@ class AgreesOnModulesWhileRecording:
             resume(self, "release_sub_module", AgreesOnModulesWhileRecording)  # the root's release settles it
             # The whole module, its children included: a forward may read a child's weight before calling it, and
             # the ranks entering it gather nothing more inside.
-            _, module = self._safe_zero_modules[chosen]
-            self._gather_alike([p for p in module.parameters() if p.ds_numel > 0], entering=chosen == module_id)
+            name, module = self._safe_zero_modules[chosen]
+            self._gather_alike([p for p in module.parameters() if p.ds_numel > 0], chosen == module_id, name)
             if chosen == module_id:
                 self._safe_zero_wholes = [*self._safe_zero_wholes, module]
                 self._safe_zero_inside = {*self._safe_zero_inside,
@@ -440,9 +455,10 @@ class AgreesOnModulesWhileRecording:
         if idle:
             idle[0].partition(param_list=idle)
 
-    def _gather_alike(self, params: list[nn.Parameter], entering: bool) -> None:
-        """Gather what of ``params`` is partitioned, on every rank together; a rank not ``entering`` their module
-        partitions them again at once, so outside the modules a rank is running every rank holds the same."""
+    def _gather_alike(self, params: list[nn.Parameter], entering: bool, name: str) -> None:
+        """Gather what of ``params`` (of module ``name``) is partitioned, on every rank together; a rank not
+        ``entering`` their module partitions them again at once, so outside the modules a rank is running every rank
+        holds the same."""
         # Held by some ranks only (a persistent parameter released where its module ran while DeepSpeed records):
         # partitioned first, so every rank gathers the same list.
         idle = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules]
@@ -451,9 +467,11 @@ class AgreesOnModulesWhileRecording:
         params = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         counts = self._all_ints(len(params))
         if len(set(counts)) > 1:  # a parameter shared with a module some rank is running: not gathered alike
-            raise RankDivergenceError(f"under ZeRO-3 the ranks hold different parts of {len(params)} parameters "
-                                      f"gathered ({counts} per rank) where their forwards diverged; list the "
-                                      'modules some ranks skip in "safe_zero": {"optional_modules": [...]}')
+            raise RankDivergenceError(
+                f"under ZeRO-3 the ranks hold different parts of `{name}` gathered ({counts} parameters per rank) "
+                "where their forwards diverged: a parameter it shares with a module some rank is running. List the "
+                f'modules some ranks skip from the start: "safe_zero": {{"optional_modules": ["{name}"]}} (or the '
+                "module around it that some ranks skip); their parameters then stay gathered on every rank.")
         if params:
             params[0].all_gather(param_list=params)
             if not entering:
