@@ -20,6 +20,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    MODEL_MAPPING_NAMES,
 )
 
 KINDS = ("vlm", "moe_vlm", "moe_lm")
@@ -63,6 +64,16 @@ def _text_config(config: transformers.PretrainedConfig) -> dict[str, Any]:
         return config.to_dict().get("text_config") or config.to_dict()
 
 
+def _model_class(model_type: str) -> type[torch.nn.Module]:
+    """The class the auto mappings name, the image-text-to-text one where both do (Gemma3ForConditionalGeneration)."""
+    names = {**MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+    return getattr(transformers, names[model_type])
+
+
+def _takes_images(model_class: type[torch.nn.Module]) -> bool:
+    return any("pixel" in name or "patches" in name for name in inspect.signature(model_class.forward).parameters)
+
+
 def discover() -> list[Architecture]:
     """Every image-text-to-text model and every MoE causal LM of the installed transformers, sorted by model_type."""
     found: dict[str, Architecture] = {}
@@ -71,7 +82,10 @@ def discover() -> list[Architecture]:
             moe = _expert_count(_text_config(_default_config(model_type))) > 1
         except Exception:  # listed all the same: build() says why it cannot build it
             moe = False
-        found[model_type] = Architecture(model_type, "moe_vlm" if moe else "vlm")
+        if moe and not _takes_images(_model_class(model_type)):  # Mistral4ForCausalLM: listed, but text-only
+            found[model_type] = Architecture(model_type, "moe_lm")
+        else:
+            found[model_type] = Architecture(model_type, "moe_vlm" if moe else "vlm")
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         if model_type in found:
             continue
@@ -115,8 +129,10 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
         (r"^qk_head_dim$", HEAD_DIM + HEAD_DIM // 2),
         (r"^(qk_nope_head_dim|v_head_dim)$", HEAD_DIM),
         (r"^(kv_lora_rank|q_lora_rank|o_lora_rank)$", 2 * HEAD_DIM),
-        (r"(?:^|_)head_dim$|^(d_kv|d_head|dim_head|attention_head_dim|attention_head_size)$", HEAD_DIM),
+        (r"(?:^|_)(head_dim|d_head)$|^(d_kv|dim_head|attention_head_dim|attention_head_size)$", HEAD_DIM),
         (r"(key_value_heads|kv_heads)$", KV_HEADS),
+        (r"(?:^|_)n_groups$", 1),  # Mamba's groups share B and C across heads: at most the heads
+        (r"(?:^|_)expand$", 1),  # Mamba's inner width, expand * hidden, must be heads * head_dim
         (r"(?:^|_)(num_attention_heads|num_heads|n_head|n_heads|attention_heads)$", HEADS),
         (r"(?:^|_)(num_hidden_layers|num_layers|n_layer|n_layers|depth|encoder_layers|decoder_layers)$", LAYERS),
         (r"^(num_global_layers|resampler_depth)$", LAYERS),
@@ -159,6 +175,10 @@ def _spread(values: list[Any], n: int) -> list[Any]:
 
 def _shrunk(key: str, value: Any) -> Any:
     """The value of one config entry in the tiny config: sizes lowered, dropout probabilities 0."""
+    if not isinstance(key, str):  # a table keyed by number (Aria's projector_patch_to_query_dict)
+        return value
+    if value is None and _TOP_K.search(key):
+        return TOP_K  # left to the checkpoint in some defaults (DeepSeek-V2)
     if isinstance(value, float) and _DROPOUT.search(key):
         return 0.0
     if _int(value) and _TOP_K.search(key) and value > 0:
@@ -177,7 +197,7 @@ def _shrink(config: dict[str, Any]) -> None:
     """Lower every size in a config dict and its sub-config dicts, in place."""
     old = dict(config)
     for key, value in config.items():
-        if isinstance(value, dict) and key not in _NOT_SIZES and key != "rope_parameters":
+        if isinstance(value, dict) and key not in _NOT_SIZES and key != "rope_parameters" and isinstance(key, str):
             _shrink(value)
         elif key not in _NOT_SIZES:
             config[key] = _shrunk(key, value)
@@ -187,24 +207,56 @@ def _shrink(config: dict[str, Any]) -> None:
             config[kv] = config[heads]
     if _int(old.get("qk_rope_head_dim")) and old.get("head_dim") == old["qk_rope_head_dim"]:
         config["head_dim"] = config["qk_rope_head_dim"]  # MLA: the rotary embedding's dim is the rope part's
+    elif "head_dim" in config and config["head_dim"] is None and _head_dim(config):
+        config["head_dim"] = _head_dim(config)  # derived, and read before it is (HunYuan-VL's RoPE)
     _shrink_layer_lists(config, old)
     _shrink_image(config)
 
 
+def _kept_layers(per_layer: list[list[Any]], n_old: int, n_new: int) -> list[int]:
+    """Which n_new of the n_old layers to keep: every kind the per-layer lists name if n_new allows (a hybrid keeps an
+    attention and a linear-attention layer, an MoE a dense and a sparse one; greedy cover), the rest spread out."""
+    seen: set[tuple[int, str]] = set()
+    keep: list[int] = []
+    while len(keep) < n_new:
+        kinds = {i: {(j, repr(values[i])) for j, values in enumerate(per_layer)} - seen for i in range(n_old)}
+        gain, best = max((len(kinds[i]), -i) for i in range(n_old) if i not in keep)
+        if gain == 0:
+            break
+        keep.append(-best)
+        seen |= kinds[-best]
+    keep += [i for i in _spread(list(range(n_old)), n_new) if i not in keep][: n_new - len(keep)]
+    return sorted(keep)
+
+
+def _is_index_list(name: str, value: Any) -> bool:
+    """A list of layer indices (moe_layers, deepstack_visual_indexes, mlp_only_layers, ...), strictly increasing."""
+    ints = isinstance(value, list) and all(_int(v) for v in value)
+    return ints and bool(_LAYER_INDICES.search(name)) and all(a < b for a, b in zip(value, value[1:]))
+
+
 def _shrink_layer_lists(config: dict[str, Any], old: dict[str, Any]) -> None:
+    """Per-layer lists keep the kept layers' entries; layer indices and per-layer dicts point at the kept layers."""
     key = next((k for k in _LAYER_COUNT if _int(old.get(k))), None)
     if key is None or config[key] == old[key]:
         return
     n_old, n_new = old[key], config[key]
+    per_layer = [k for k, v in config.items() if isinstance(v, list) and len(v) == n_old and not _is_index_list(k, v)]
+    keep = _kept_layers([config[k] for k in per_layer], n_old, n_new)
+
+    def index(layer: int) -> int:  # the kept layer at or before this one
+        return layer if layer < 0 else max(0, sum(k <= layer for k in keep) - 1)
+
     for name, value in config.items():
-        if not isinstance(value, list) or not value:
-            continue
-        indices = all(_int(v) for v in value) and all(a < b for a, b in zip(value, value[1:]))
-        if _LAYER_INDICES.search(name) and indices:  # moe_layers, deepstack_visual_indexes, ...
-            scaled = [v if v < 0 else min(n_new - 1, v * n_new // n_old) for v in value]
-            config[name] = list(dict.fromkeys(scaled))
-        elif len(value) == n_old:  # one entry a layer (layer_types, no_rope_layers, ...)
-            config[name] = _spread(value, n_new)
+        if name in per_layer:
+            config[name] = [value[i] for i in keep]
+        elif value and _is_index_list(name, value):
+            config[name] = list(dict.fromkeys(index(v) for v in value))
+        elif isinstance(value, dict) and value and "per_layer" in name and all(str(k).isdigit() for k in value):
+            remapped: dict[Any, Any] = {}
+            for layer, entry in value.items():  # Gemma4's per_layer_config: the first entry of a kept layer wins
+                remapped.setdefault(type(layer)(index(int(layer))), entry)
+            config[name] = remapped
 
 
 def _shrink_image(config: dict[str, Any]) -> None:
@@ -241,7 +293,11 @@ def _set_mrope_section(text: dict[str, Any], model_class: type[torch.nn.Module])
         return
     sections = rope.get("mrope_section")
     if sections is None:
-        default = _MROPE_DEFAULT.search(inspect.getsource(sys.modules[model_class.__module__]))
+        # The text model may live in another family's module (GLM-4.6V's is GLM-4V's).
+        text_class = MODEL_MAPPING_NAMES.get(text.get("model_type", ""))
+        classes = [model_class, *([getattr(transformers, text_class)] if text_class else [])]
+        sources = "".join(inspect.getsource(sys.modules[c.__module__]) for c in classes)
+        default = _MROPE_DEFAULT.search(sources)
         if default is None:
             return
         sections = [int(s) for s in default.group(1).split(",") if s.strip()]
@@ -255,7 +311,7 @@ def _set_mrope_section(text: dict[str, Any], model_class: type[torch.nn.Module])
 def _remap_token_ids(config: dict[str, Any], ids: dict[int, int]) -> None:
     """Special token ids past the shrunk vocab move to its top, the same old id to the same new one everywhere."""
     for key, value in config.items():
-        if key in _NOT_SIZES:
+        if not isinstance(key, str) or key in _NOT_SIZES:
             continue
         if isinstance(value, dict):
             _remap_token_ids(value, ids)
@@ -286,14 +342,105 @@ def _dbrx(config: dict[str, Any]) -> None:
     config["attn_config"]["clip_qkv"] = 8.0  # None reaches torch.clamp(min=None, max=None), which raises; 8 is DBRX's
 
 
+def _omni_thinker(config: dict[str, Any]) -> None:
+    # get_rope_index reads vision_start_token_id, which only the full Omni config (not the thinker's) defines.
+    config["vision_start_token_id"] = 151652
+
+
+def _aria(config: dict[str, Any]) -> None:
+    # The projector's query count is looked up by the image's patch count.
+    config["projector_patch_to_query_dict"] = {PATCHES_PER_SIDE**2: 4}
+
+
+def _muse(config: dict[str, Any]) -> None:
+    # The vision adapter reads merge_size**2 patches concatenated: out_hidden_size is that width, not the text's.
+    vision = config["vision_config"]
+    config["out_hidden_size"] = vision["hidden_size"] * vision["merge_size"] ** 2
+
+
+def _jamba(config: dict[str, Any]) -> None:
+    # Attention every 8th layer from the 4th and experts every 2nd from the 1st: of 2 layers, the 2nd has both.
+    config.update(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
+
+
+def _granitemoehybrid(config: dict[str, Any]) -> None:
+    config["layer_types"] = ["mamba", "attention"]  # the default is Mamba only, which has no attention mask to make
+
+
+def _lfm2_moe(config: dict[str, Any]) -> None:
+    config["layer_types"] = ["conv", "full_attention"]  # None in the default, read per layer
+
+
+def _zaya(config: dict[str, Any]) -> None:
+    config["num_experts_per_tok"] = 1  # "ZAYA currently supports num_experts_per_tok=1 only"
+
+
+def _vipllava(config: dict[str, Any]) -> None:
+    config["vision_feature_layers"] = [-2, -1]  # the default's [-2, -5, -8, -11, 6] of the 24 layers
+
+
+def _molmo2(config: dict[str, Any]) -> None:
+    config["adapter_config"]["vision_feature_layer"] = [-1, -2]  # the default's [24, 18]
+
+
+def _granite4_vision(config: dict[str, Any]) -> None:
+    # The tester's: a window Q-Former downsampler fed from vision layer 1 into text layer 0.
+    config.update(deepstack_layer_map=[[1, 0]], downsample_rate="1/2")
+
+
+def _deepseek_ocr2(config: dict[str, Any]) -> None:
+    config["text_config"]["mlp_layer_types"] = ["dense", "sparse"]  # None in the default, read per layer
+
+
+def _step3p7(config: dict[str, Any]) -> None:
+    config["text_config"]["sliding_window"] = 8  # None in the default, which its sliding layers cannot take
+
+
+def _dots3_note(config: dict[str, Any]) -> None:
+    text = config.get("text_config", config)
+    text["swa_head_dim"] = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]  # as the validator asks
+
+
 _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "aria": _aria,
     "dbrx": _dbrx,
+    "deepseek_ocr2": _deepseek_ocr2,
+    "dots3_note": _dots3_note,
+    "dots3_note_text": _dots3_note,
+    "granite4_vision": _granite4_vision,
+    "granitemoehybrid": _granitemoehybrid,
+    "jamba": _jamba,
+    "lfm2_moe": _lfm2_moe,
     "llama4": _llama4,
     "mllama": _mllama,
+    "molmo2": _molmo2,
+    "muse_glimmer": _muse,
+    "muse_spark": _muse,
+    "qwen2_5_omni_thinker": _omni_thinker,
+    "qwen3_omni_moe_thinker": _omni_thinker,
+    "step3p7": _step3p7,
+    "vipllava": _vipllava,
+    "zaya": _zaya,
 }
 
 # Families that cannot be built tiny here, with the reason.
-_UNBUILDABLE: dict[str, str] = {}
+_NO_TEXT_ONLY = "no text-only batch: "
+_TIMM = "its vision tower is a timm model (TimmWrapperModel), and timm and pillow are not installed here"
+_UNBUILDABLE: dict[str, str] = {
+    "blip": _NO_TEXT_ONLY + "BLIP's captioner requires pixel_values in every forward",
+    "instructblip": _NO_TEXT_ONLY + "InstructBLIP's forward requires pixel_values and qformer_input_ids",
+    "instructblipvideo": _NO_TEXT_ONLY + "InstructBLIP-Video's forward requires pixel_values and qformer_input_ids",
+    "pix2struct": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image (flattened_patches)",
+    "pp_formulanet": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image",
+    "vision-encoder-decoder": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image",
+    "udop": "a layout model: every token needs a bounding box (bbox), and the image patches share the text encoder",
+    "evolla": "a protein-text model: its encoder reads protein sequences, not images",
+    "pi0": "a robot policy: trained on states and actions (flow matching), not a next-token loss",
+    "pi05": "a robot policy: trained on states and actions (flow matching), not a next-token loss",
+    "fast_vlm": _TIMM,
+    "gemma3n": _TIMM,
+    "perception_lm": _TIMM,
+}
 
 
 def tiny_config(arch: Architecture) -> transformers.PretrainedConfig:
@@ -304,12 +451,15 @@ def tiny_config(arch: Architecture) -> transformers.PretrainedConfig:
         config = config_class().to_dict()
     except Exception as e:
         raise Unbuildable(f"no default config: {_line(e)}") from e
+    vision_class = config_class.sub_configs.get("vision_config")
+    if "vision_config" in config and config["vision_config"] is None and vision_class is not None:
+        config["vision_config"] = vision_class().to_dict()  # Gemma 4's default has none: text-only
     _shrink(config)
-    _remap_token_ids(config, {})
-    _set_mrope_section(config.get("text_config", config), _model_class(arch))
+    _set_mrope_section(config.get("text_config", config), _model_class(arch.model_type))
     _shrink_image_layout(config)
     if arch.model_type in _OVERRIDES:
         _OVERRIDES[arch.model_type](config)
+    _remap_token_ids(config, {})
     try:
         return config_class.from_dict(config)
     except Exception as e:
@@ -321,9 +471,6 @@ def _line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-def _model_class(arch: Architecture) -> type[torch.nn.Module]:
-    names = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if arch.kind != "moe_lm" else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return getattr(transformers, names[arch.model_type])
 
 
 def build(arch: Architecture, seed: int = 0) -> torch.nn.Module:
@@ -331,7 +478,7 @@ def build(arch: Architecture, seed: int = 0) -> torch.nn.Module:
     config = tiny_config(arch)
     torch.manual_seed(seed)
     try:
-        model = _model_class(arch)._from_config(config, attn_implementation="eager", dtype=torch.float32)
+        model = _model_class(arch.model_type)._from_config(config, attn_implementation="eager", dtype=torch.float32)
     except Exception as e:
         raise Unbuildable(f"construction fails: {_line(e)}") from e
     for module in model.modules():
@@ -356,7 +503,7 @@ def _special_ids(config: transformers.PretrainedConfig) -> set[int]:
 
     def walk(d: dict[str, Any]) -> None:
         for key, value in d.items():
-            if key in _NOT_SIZES:
+            if not isinstance(key, str) or key in _NOT_SIZES:
                 continue
             if isinstance(value, dict):
                 walk(value)
@@ -381,11 +528,6 @@ def _generator(rank: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * rank + step)
 
 
-def _image_token_id(config: transformers.PretrainedConfig) -> int:
-    for key in ("image_token_id", "image_token_index"):
-        if _int(getattr(config, key, None)):
-            return getattr(config, key)
-    raise Unbuildable("no image_token_id in the config")
 
 
 def _vision_config(config: transformers.PretrainedConfig) -> Any:
@@ -417,13 +559,8 @@ def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[st
     height, width = _image_size(config)
     channels = _channels(config)
     vision = _vision_config(config)
-    if "image_grid_thw" in params:  # Qwen2-VL's flattened patches, merged spatial_merge_size**2 to a token
-        patch = vision.patch_size
-        temporal = getattr(vision, "temporal_patch_size", 1)
-        merge = getattr(vision, "spatial_merge_size", 1)
-        grid = torch.tensor([[1, 2 * merge, 2 * merge]])
-        pixel_values = torch.randn(int(grid.prod()), channels * temporal * patch * patch, generator=generator)
-        return {"pixel_values": pixel_values, "image_grid_thw": grid}, 4
+    if "image_grid_thw" in params:  # Qwen2-VL's flattened patches of a (1, h, w) grid
+        return _patches(model.config.model_type, vision, channels, generator), None
     if "aspect_ratio_ids" in params:  # Mllama: tiles of images, cross-attended from one <|image|> token
         tiles = vision.max_num_tiles
         pixel_values = torch.randn(1, 1, tiles, channels, height, width, generator=generator)
@@ -444,10 +581,34 @@ def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[st
     return inputs, None
 
 
+# How families that take an image_grid_thw want its patches: Qwen2-VL's rows of channels * temporal * patch**2 values
+# unless named here.
+_PATCH_LAYOUTS = {
+    "kimi_k25": "conv",  # (patches, channels, patch, patch)
+    "paddleocr_vl": "conv",
+    "inkling2": "pixels",  # (pixels, channels), the patches' pixels row by row
+    "inkling2_loop": "pixels",
+}
+
+
+def _patches(model_type: str, vision: Any, channels: int, generator: torch.Generator) -> dict[str, Any]:
+    patch = vision.patch_size
+    temporal = getattr(vision, "temporal_patch_size", getattr(vision, "patch_temporal", 1))
+    merge = getattr(vision, "spatial_merge_size", 1)
+    grid = torch.tensor([[1, 2 * merge, 2 * merge]])  # 4 tokens once merged
+    n = int(grid.prod())
+    shape = {
+        "conv": (n, channels, patch, patch),
+        "pixels": (n * patch * patch, channels),
+    }.get(_PATCH_LAYOUTS.get(model_type, ""), (n, channels * temporal * patch * patch))
+    return {"pixel_values": torch.randn(*shape, generator=generator), "image_grid_thw": grid}
+
+
 def _count_image_tokens(model: torch.nn.Module, pixels: dict[str, Any]) -> int:
     """How many image tokens the family's get_image_features makes of these pixels."""
+    owner = model if hasattr(model, "get_image_features") else model.model
     with torch.no_grad():
-        features = model.get_image_features(**pixels)
+        features = owner.get_image_features(**pixels)
     features = getattr(features, "pooler_output", features)
     if isinstance(features, torch.Tensor):
         features = [features]
@@ -468,19 +629,16 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
     config = model.config
     pixels, n_image = _pixels(model, generator)
-    if n_image is None:
-        n_image = _count_image_tokens(model, pixels)
-    image_id = _image_token_id(config)
-    image_ids = [image_id] * n_image
-    start = _first_int(config, "vision_start_token_id", "image_start_token_id")
-    end = _first_int(config, "vision_end_token_id", "image_end_token_id")
-    if start is not None:
-        image_ids = [start, *image_ids]
-    if end is not None:
-        image_ids = [*image_ids, end]
+    image_id = _first_int(config, "image_token_id", "image_token_index")
+    image_ids = []
+    if image_id is not None:  # else the model prepends or cross-attends the image itself (BLIP-2, GIT)
+        image_ids = [image_id] * (_count_image_tokens(model, pixels) if n_image is None else n_image)
+        start = _first_int(config, "vision_start_token_id", "image_start_token_id")
+        end = _first_int(config, "vision_end_token_id", "image_end_token_id")
+        image_ids = [*([start] if start is not None else []), *image_ids, *([end] if end is not None else [])]
     before = _text_tokens(model, generator, (1, 4))
     after = _text_tokens(model, generator, (1, TEXT_LEN - 4))
-    input_ids = torch.cat([before, torch.tensor([image_ids]), after], dim=1)
+    input_ids = torch.cat([before, torch.tensor([image_ids], dtype=torch.long), after], dim=1)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **pixels}
     params = _forward_params(model)
     if "mm_token_type_ids" in params:  # M-RoPE's positions: text 0, image 1
@@ -493,7 +651,10 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
 
 # ---------------------------------------------------------------------------------------------------------------------
 
-_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "vision")
+# Fuyu has no tower: its patches go through one linear layer, vision_embed_tokens.
+_TOWER_NAMES = (
+    "visual", "vision_tower", "vision_model", "vision_encoder", "vision", "image_tower", "vision_embed_tokens"
+)  # fmt: skip
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
