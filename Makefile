@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR := cpu
 
-.PHONY: demo test lint test-main test-legacy test-newest test-floor lock bench matrix clean
+.PHONY: demo test lint test-main test-legacy test-newest test-floor lock bench matrix zoo clean
 
 # One JIT build cache per venv: DeepSpeed builds its CPU comm op under the same name for every release.
 run_pytest = TORCH_EXTENSIONS_DIR=$(abspath $(1))/torch_extensions $(1)/bin/python -m pytest -q $(PYTEST_ARGS)
@@ -97,5 +97,11 @@ bench: $(VENV)/.installed
 matrix:
 	$(PYTHON) scripts/matrix.py
 
+# Every architecture the installed transformers ships, stock and safe_zero, ZeRO-2/3: writes docs/zoo.md (CI runs a
+# subset, tests/zoo/test_zoo.py). Rows already measured on the same versions are kept in .zoo/ (ZOO_ARGS=--fresh).
+ZOO_ARGS ?=
+zoo: $(VENV)/.installed
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(VENV)/bin/python -m tests.zoo $(ZOO_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_NEWEST) $(VENV_FLOOR) .venv-matrix .pytest_cache
+	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_NEWEST) $(VENV_FLOOR) .venv-matrix .pytest_cache .zoo
