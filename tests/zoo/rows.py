@@ -22,12 +22,16 @@ from tests.zoo.architectures import Architecture, batch, build
 REMOTE = "remote_moe_lm"
 
 
+#: Before a remote-code model's folder name: "deepseek_v3" is an in-library model type too.
+_REMOTE_PREFIX = "remote_"
+
+
 def remote_architectures() -> list[Architecture]:
-    return [Architecture(name, REMOTE) for name in remote.REMOTE_MODELS]
+    return [Architecture(_REMOTE_PREFIX + name, REMOTE) for name in remote.REMOTE_MODELS]
 
 
 def build_model(arch: Architecture) -> torch.nn.Module:
-    return remote.load(arch.model_type) if arch.kind == REMOTE else build(arch)
+    return remote.load(arch.model_type.removeprefix(_REMOTE_PREFIX)) if arch.kind == REMOTE else build(arch)
 
 STEPS = 3
 LR = 1e-3
@@ -45,7 +49,7 @@ def has_image(arch: Architecture, rank: int) -> bool:
 def _batches(arch: Architecture, model: torch.nn.Module, rank: int) -> list[dict[str, torch.Tensor]]:
     """Made before ZeRO partitions the model: a family's inputs may be sized from its unpartitioned modules."""
     if arch.kind == REMOTE:
-        return [remote.batch(arch.model_type, rank, step) for step in range(STEPS)]
+        return [remote.batch(arch.model_type.removeprefix(_REMOTE_PREFIX), rank, step) for step in range(STEPS)]
     return [batch(arch, model, rank, step, has_image(arch, rank)) for step in range(STEPS)]
 
 
