@@ -136,10 +136,12 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
         (r"(?:^|_)(num_attention_heads|num_heads|n_head|n_heads|attention_heads)$", HEADS),
         (r"(?:^|_)(num_hidden_layers|num_layers|n_layer|n_layers|depth|encoder_layers|decoder_layers)$", LAYERS),
         (r"^(num_global_layers|resampler_depth)$", LAYERS),
-        (r"intermediate_size|(?:^|_)ffn_dim$|^(d_ff|dff|dim_ff|d_inner|n_inner|ffn_hidden_size)$", INTERMEDIATE),
+        (r"intermediate_size|(?:^|_)(ffn_dim|mlp_dim)$|^(d_ff|dff|dim_ff|d_inner|n_inner|ffn_hidden_size)$",
+         INTERMEDIATE),
         (
             r"(?:^|_)(hidden_size|d_model|n_embd|embed_dim|hidden_dim|output_dim|projection_dim|projector_input_dim"
-            r"|projector_output_dim|word_embed_proj_dim|embedding_size|emb_dim|embedding_dim)$",
+            r"|projector_output_dim|word_embed_proj_dim|embedding_size|emb_dim|embedding_dim|output_channels"
+            r"|downsample_channels)$",
             WIDTH,
         ),
         (r"(?:^|_)vocab_size(_per_layer_input)?$", VOCAB),
@@ -383,6 +385,10 @@ def _molmo2(config: dict[str, Any]) -> None:
     config["adapter_config"]["vision_feature_layer"] = [-1, -2]  # the default's [24, 18]
 
 
+def _kosmos(config: dict[str, Any]) -> None:
+    config["latent_query_num"] = 4  # image tokens the resampler makes (2048 for Kosmos-2.5)
+
+
 def _granite4_vision(config: dict[str, Any]) -> None:
     # The tester's: a window Q-Former downsampler fed from vision layer 1 into text layer 0.
     config.update(deepstack_layer_map=[[1, 0]], downsample_rate="1/2")
@@ -410,6 +416,8 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "granite4_vision": _granite4_vision,
     "granitemoehybrid": _granitemoehybrid,
     "jamba": _jamba,
+    "kosmos-2": _kosmos,
+    "kosmos-2.5": _kosmos,
     "lfm2_moe": _lfm2_moe,
     "llama4": _llama4,
     "mllama": _mllama,
@@ -428,6 +436,8 @@ _NO_TEXT_ONLY = "no text-only batch: "
 _TIMM = "its vision tower is a timm model (TimmWrapperModel), and timm and pillow are not installed here"
 _UNBUILDABLE: dict[str, str] = {
     "blip": _NO_TEXT_ONLY + "BLIP's captioner requires pixel_values in every forward",
+    "blip-2": _NO_TEXT_ONLY + "BLIP-2's forward requires pixel_values",
+    "kosmos-2": _NO_TEXT_ONLY + "Kosmos-2's forward requires pixel_values or image_embeds",
     "instructblip": _NO_TEXT_ONLY + "InstructBLIP's forward requires pixel_values and qformer_input_ids",
     "instructblipvideo": _NO_TEXT_ONLY + "InstructBLIP-Video's forward requires pixel_values and qformer_input_ids",
     "pix2struct": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image (flattened_patches)",
@@ -454,6 +464,9 @@ def tiny_config(arch: Architecture) -> transformers.PretrainedConfig:
     vision_class = config_class.sub_configs.get("vision_config")
     if "vision_config" in config and config["vision_config"] is None and vision_class is not None:
         config["vision_config"] = vision_class().to_dict()  # Gemma 4's default has none: text-only
+    for key in ("image_token_id", "image_token_index"):
+        if key in config and config[key] is None:  # left to the checkpoint (MiniCPM-V, BLIP-2): the image is unread
+            config[key] = 151655  # Qwen's, moved into the shrunk vocab with the other special ids
     _shrink(config)
     _set_mrope_section(config.get("text_config", config), _model_class(arch.model_type))
     _shrink_image_layout(config)
@@ -494,8 +507,12 @@ TEXT_BATCH = 2
 TEXT_LEN = 16
 
 
+def _params(function: Callable[..., Any]) -> set[str]:
+    return set(inspect.signature(function).parameters)
+
+
 def _forward_params(model: torch.nn.Module) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
+    return _params(model.forward)
 
 
 def _special_ids(config: transformers.PretrainedConfig) -> set[int]:
@@ -541,8 +558,7 @@ def _image_size(config: transformers.PretrainedConfig) -> tuple[int, int]:
         return int(size[0]), int(size[1])
     if _int(size):
         return size, size
-    patch = getattr(vision, "patch_size", 14)
-    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    patch = _patch_size(vision)
     return patch * PATCHES_PER_SIDE, patch * PATCHES_PER_SIDE
 
 
@@ -554,6 +570,35 @@ def _channels(config: transformers.PretrainedConfig) -> int:
 def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[str, Any], int | None]:
     """The pixel inputs of one image, in the layout the family's forward takes, and its number of image tokens where
     the layout fixes it (None: count them with get_image_features)."""
+    inputs, n_image = _pixel_layout(model, generator)
+    height, width = _image_size(model.config)
+    patch = _patch_size(_vision_config(model.config))
+    grid = torch.tensor([[height // patch, width // patch]])
+    owners = [model, getattr(model, "model", None)]  # the top model's may take only **kwargs (MiniCPM-V)
+    names = {n for o in owners if hasattr(o, "get_image_features") for n in _params(o.get_image_features)}
+    flat = int(grid.prod()), _channels(model.config) * patch**2
+    if "image_grid_hw" in names:  # Nemotron-H Omni: rows of channels * patch**2, one a patch
+        inputs["pixel_values"] = torch.randn(*flat, generator=generator)
+    if "spatial_shapes" in names:  # SigLIP2's patches (LFM2-VL): a batch of rows of them, and which are real
+        inputs["pixel_values"] = torch.randn(1, *flat, generator=generator)
+        inputs["pixel_attention_mask"] = torch.ones(1, flat[0], dtype=torch.bool)
+    if "high_res_pixel_values" in names:  # DeepSeek-VL hybrid: the image again for its high-resolution SAM tower
+        size = model.config.high_res_vision_config.image_size
+        inputs["high_res_pixel_values"] = torch.randn(1, _channels(model.config), size, size, generator=generator)
+    for name in names:
+        if name in ("target_sizes", "spatial_shapes", "image_grid_hw"):  # the patch grid, as MiniCPM-V and LFM2-VL
+            inputs[name] = grid
+        elif name == "image_merge_sizes":  # VideoLLaMA3: one merge size per image
+            inputs[name] = torch.tensor([getattr(_vision_config(model.config), "spatial_merge_size", 1)])
+    return inputs, n_image
+
+
+def _patch_size(vision: Any) -> int:
+    patch = getattr(vision, "patch_size", 14)
+    return patch[0] if isinstance(patch, (list, tuple)) else patch
+
+
+def _pixel_layout(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[str, Any], int | None]:
     config = model.config
     params = _forward_params(model)
     height, width = _image_size(config)
@@ -575,11 +620,24 @@ def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[st
         inputs["image_sizes"] = torch.tensor([[height, width]])
     elif "image_sizes" in params and "image_sizes" in inspect.signature(vision_tower(model).forward).parameters:
         inputs["image_sizes"] = torch.tensor([[height, width]])  # Pixtral's variable-size patches
-    if "pixel_attention_mask" in params:  # Idefics3: a list of images per sample
+    if "pixel_attention_mask" in params:  # Idefics3: a list of images per sample, a mask of their real pixels
         inputs["pixel_values"] = pixel_values[:, None]
-        inputs["pixel_attention_mask"] = torch.ones(1, 1, height, width, dtype=torch.bool)
+        tiles_only = config.model_type in _TILE_MASKS
+        inputs["pixel_attention_mask"] = torch.ones((1, 1) if tiles_only else (1, 1, height, width), dtype=torch.bool)
+    if "flattened_patches" in params:  # Kosmos-2.5 (Pix2Struct's): each patch's row and column, then its pixels
+        n = PATCHES_PER_SIDE**2
+        pixels = torch.randn(1, n, vision.patch_embed_hidden_size, generator=generator)
+        rows, columns = torch.arange(n) // PATCHES_PER_SIDE + 1, torch.arange(n) % PATCHES_PER_SIDE + 1
+        position = torch.stack([rows, columns], dim=-1).float()[None]
+        inputs = {"flattened_patches": torch.cat([position, pixels], dim=-1)}
+        return inputs, config.latent_query_num
+    if "image_embeds_position_mask" in params:  # Kosmos-2: the latent queries go where the mask says
+        return inputs, config.latent_query_num
     return inputs, None
 
+
+# Families whose pixel_attention_mask marks real tiles, not real pixels.
+_TILE_MASKS = {"granite_docling"}
 
 # How families that take an image_grid_thw want its patches: Qwen2-VL's rows of channels * temporal * patch**2 values
 # unless named here.
@@ -604,11 +662,14 @@ def _patches(model_type: str, vision: Any, channels: int, generator: torch.Gener
     return {"pixel_values": torch.randn(*shape, generator=generator), "image_grid_thw": grid}
 
 
+def _image_features_owner(model: torch.nn.Module) -> Any:
+    return model if hasattr(model, "get_image_features") else model.model
+
+
 def _count_image_tokens(model: torch.nn.Module, pixels: dict[str, Any]) -> int:
     """How many image tokens the family's get_image_features makes of these pixels."""
-    owner = model if hasattr(model, "get_image_features") else model.model
     with torch.no_grad():
-        features = owner.get_image_features(**pixels)
+        features = _image_features_owner(model).get_image_features(**pixels)
     features = getattr(features, "pooler_output", features)
     if isinstance(features, torch.Tensor):
         features = [features]
@@ -630,8 +691,10 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
     config = model.config
     pixels, n_image = _pixels(model, generator)
     image_id = _first_int(config, "image_token_id", "image_token_index")
-    image_ids = []
-    if image_id is not None:  # else the model prepends or cross-attends the image itself (BLIP-2, GIT)
+    image_ids: list[int] = []
+    if "image_embeds_position_mask" in _forward_params(model):  # Kosmos-2: any ids, the mask places the image
+        image_ids = _text_tokens(model, generator, (n_image,)).tolist()
+    elif image_id is not None:  # else the model prepends or cross-attends the image itself (BLIP-2, GIT)
         image_ids = [image_id] * (_count_image_tokens(model, pixels) if n_image is None else n_image)
         start = _first_int(config, "vision_start_token_id", "image_start_token_id")
         end = _first_int(config, "vision_end_token_id", "image_end_token_id")
@@ -641,6 +704,9 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
     input_ids = torch.cat([before, torch.tensor([image_ids], dtype=torch.long), after], dim=1)
     inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **pixels}
     params = _forward_params(model)
+    if "image_embeds_position_mask" in params:
+        inputs["image_embeds_position_mask"] = torch.zeros_like(input_ids)
+        inputs["image_embeds_position_mask"][0, 4 : 4 + n_image] = 1
     if "mm_token_type_ids" in params:  # M-RoPE's positions: text 0, image 1
         inputs["mm_token_type_ids"] = (input_ids == image_id).int()
     if "cross_attention_mask" in params:  # Mllama: every token sees the image's first tile
