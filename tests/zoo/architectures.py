@@ -141,7 +141,7 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
         (
             r"(?:^|_)(hidden_size|d_model|n_embd|embed_dim|hidden_dim|output_dim|projection_dim|projector_input_dim"
             r"|projector_output_dim|word_embed_proj_dim|embedding_size|emb_dim|embedding_dim|output_channels"
-            r"|downsample_channels)$",
+            r"|downsample_channels|output_proj_dims)$",
             WIDTH,
         ),
         (r"(?:^|_)vocab_size(_per_layer_input)?$", VOCAB),
@@ -275,7 +275,9 @@ def _shrink_image(config: dict[str, Any]) -> None:
 
 
 def _shrink_image_layout(config: dict[str, Any]) -> None:
-    """Image-token layouts the top-level config fixes, shrunk with the image."""
+    """Image-token layouts a config fixes beside its vision sub-config, shrunk with the image."""
+    if isinstance(config.get("encoder"), dict):  # T5Gemma 2's sits in its encoder's
+        _shrink_image_layout(config["encoder"])
     vision = config.get("vision_config")
     size = vision.get("image_size") if isinstance(vision, dict) else None
     if "mm_tokens_per_image" in config:  # Gemma3 pools the 4x4 patches to 2x2 tokens
@@ -390,8 +392,15 @@ def _kosmos(config: dict[str, Any]) -> None:
 
 
 def _granite4_vision(config: dict[str, Any]) -> None:
-    # The tester's: a window Q-Former downsampler fed from vision layer 1 into text layer 0.
+    # The tester's: a window Q-Former downsampler fed from vision layer 1 into text layer 0; the spatial groups
+    # into the last text layer.
     config.update(deepstack_layer_map=[[1, 0]], downsample_rate="1/2")
+    config["spatial_target_layers"] = [1] * len(config["spatial_target_layers"])
+
+
+def _hunyuan_vl(config: dict[str, Any]) -> None:
+    # The tester's: four axes (position, width, height, image) of head_dim // 8 each.
+    config["text_config"]["rope_parameters"]["mrope_section"] = [HEAD_DIM // 8] * 4
 
 
 def _deepseek_ocr2(config: dict[str, Any]) -> None:
@@ -415,6 +424,7 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "dots3_note_text": _dots3_note,
     "granite4_vision": _granite4_vision,
     "granitemoehybrid": _granitemoehybrid,
+    "hunyuan_vl": _hunyuan_vl,
     "jamba": _jamba,
     "kosmos-2": _kosmos,
     "kosmos-2.5": _kosmos,
@@ -437,6 +447,8 @@ _TIMM = "its vision tower is a timm model (TimmWrapperModel), and timm and pillo
 _UNBUILDABLE: dict[str, str] = {
     "blip": _NO_TEXT_ONLY + "BLIP's captioner requires pixel_values in every forward",
     "blip-2": _NO_TEXT_ONLY + "BLIP-2's forward requires pixel_values",
+    "git": _NO_TEXT_ONLY + "GIT's loss drops an image's worth of positions from the logits, image or not",
+    "idefics": _NO_TEXT_ONLY + "IDEFICS's forward requires pixel_values or image embeddings",
     "kosmos-2": _NO_TEXT_ONLY + "Kosmos-2's forward requires pixel_values or image_embeds",
     "instructblip": _NO_TEXT_ONLY + "InstructBLIP's forward requires pixel_values and qformer_input_ids",
     "instructblipvideo": _NO_TEXT_ONLY + "InstructBLIP-Video's forward requires pixel_values and qformer_input_ids",
@@ -444,6 +456,7 @@ _UNBUILDABLE: dict[str, str] = {
     "pp_formulanet": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image",
     "vision-encoder-decoder": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image",
     "udop": "a layout model: every token needs a bounding box (bbox), and the image patches share the text encoder",
+    "diffusion_gemma": "a block-diffusion model: it denoises a canvas of tokens, no labels and no next-token loss",
     "evolla": "a protein-text model: its encoder reads protein sequences, not images",
     "pi0": "a robot policy: trained on states and actions (flow matching), not a next-token loss",
     "pi05": "a robot policy: trained on states and actions (flow matching), not a next-token loss",
@@ -548,7 +561,10 @@ def _generator(rank: int, step: int) -> torch.Generator:
 
 
 def _vision_config(config: transformers.PretrainedConfig) -> Any:
-    return getattr(config, "vision_config", None)
+    """The vision sub-config, the encoder's for an encoder-decoder (T5Gemma 2), the config itself for Fuyu."""
+    encoder = getattr(config, "encoder", None)
+    vision = getattr(config, "vision_config", None) or getattr(encoder, "vision_config", None)
+    return vision if vision is not None else config
 
 
 def _image_size(config: transformers.PretrainedConfig) -> tuple[int, int]:
@@ -582,6 +598,14 @@ def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[st
     if "spatial_shapes" in names:  # SigLIP2's patches (LFM2-VL): a batch of rows of them, and which are real
         inputs["pixel_values"] = torch.randn(1, *flat, generator=generator)
         inputs["pixel_attention_mask"] = torch.ones(1, flat[0], dtype=torch.bool)
+    if "image_position_ids" in names:  # Gemma 4: patches and their (x, y), pooled kernel x kernel to a token
+        vision = _vision_config(model.config)
+        merged = getattr(vision, "model_patch_size", None)  # Gemma 4 unified: patches come merged, one a token
+        side = 2 if merged else 2 * getattr(vision, "pooling_kernel_size", 1)
+        xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), dim=-1)
+        dim = _channels(model.config) * merged**2 if merged else flat[1]
+        inputs["pixel_values"] = torch.randn(1, side * side, dim, generator=generator)
+        inputs["image_position_ids"] = xy.reshape(1, -1, 2)
     if "high_res_pixel_values" in names:  # DeepSeek-VL hybrid: the image again for its high-resolution SAM tower
         size = model.config.high_res_vision_config.image_size
         inputs["high_res_pixel_values"] = torch.randn(1, _channels(model.config), size, size, generator=generator)
@@ -614,6 +638,9 @@ def _pixel_layout(model: torch.nn.Module, generator: torch.Generator) -> tuple[d
         ids = torch.ones(1, 1, dtype=torch.long)
         return {"pixel_values": pixel_values, "aspect_ratio_ids": ids, "aspect_ratio_mask": one_tile}, 1
     pixel_values = torch.randn(1, channels, height, width, generator=generator)
+    if config.model_type in _FLAT_PATCHES:
+        patch = _patch_size(vision)
+        pixel_values = torch.randn(1, PATCHES_PER_SIDE**2, channels * patch**2, generator=generator)
     inputs: dict[str, Any] = {"pixel_values": pixel_values}
     if getattr(config, "image_grid_pinpoints", None):  # LLaVA-NeXT's anyres: the base image and its one crop
         inputs["pixel_values"] = torch.randn(1, 2, channels, height, width, generator=generator)
@@ -636,6 +663,8 @@ def _pixel_layout(model: torch.nn.Module, generator: torch.Generator) -> tuple[d
     return inputs, None
 
 
+# Families that take an image as its patches' pixels, a row a patch: Fuyu's linear patch embedding.
+_FLAT_PATCHES = {"fuyu"}
 # Families whose pixel_attention_mask marks real tiles, not real pixels.
 _TILE_MASKS = {"granite_docling"}
 
@@ -670,7 +699,10 @@ def _count_image_tokens(model: torch.nn.Module, pixels: dict[str, Any]) -> int:
     """How many image tokens the family's get_image_features makes of these pixels."""
     with torch.no_grad():
         features = _image_features_owner(model).get_image_features(**pixels)
-    features = getattr(features, "pooler_output", features)
+    if getattr(features, "deepstack_features", None):  # Granite 4 Vision: (text layer, features) per projector
+        features = features.deepstack_features[0][1]
+    if hasattr(features, "pooler_output"):  # Fuyu's patch embeddings are the last hidden state
+        features = features.pooler_output if features.pooler_output is not None else features.last_hidden_state
     if isinstance(features, torch.Tensor):
         features = [features]
     width = model.get_input_embeddings().embedding_dim
@@ -717,9 +749,10 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
 
 # ---------------------------------------------------------------------------------------------------------------------
 
-# Fuyu has no tower: its patches go through one linear layer, vision_embed_tokens.
+# Fuyu and Gemma 4 unified have no tower: their patches go through an embedding (vision_embed_tokens, embed_vision).
 _TOWER_NAMES = (
-    "visual", "vision_tower", "vision_model", "vision_encoder", "vision", "image_tower", "vision_embed_tokens"
+    "visual", "vision_tower", "vision_model", "vision_encoder", "vision", "image_tower", "vision_embed_tokens",
+    "embed_vision",
 )  # fmt: skip
 
 
