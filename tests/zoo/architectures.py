@@ -291,25 +291,30 @@ _MROPE_DEFAULT = re.compile(r'"mrope_section",\s*\[([\d,\s]+)\]')
 
 def _set_mrope_section(text: dict[str, Any], model_class: type[torch.nn.Module]) -> None:
     """Multimodal RoPE splits the rotary half-dim into (t, h, w) sections, most families' in a default in the modeling
-    code ([16, 24, 24] for head dim 128): scaled to the shrunk head dim, the odd one out taking the rounding."""
+    code ([16, 24, 24] for head dim 128): scaled to the shrunk head dim, the odd one out taking the rounding; in each
+    layer type's parameters where they are per layer type (Cohere Compass)."""
     rope = text.get("rope_parameters")
-    if not isinstance(rope, dict):
+    if not isinstance(rope, dict) or not rope:
         return
-    sections = rope.get("mrope_section")
-    if sections is None:
-        # The text model may live in another family's module (GLM-4.6V's is GLM-4V's).
-        text_class = MODEL_MAPPING_NAMES.get(text.get("model_type", ""))
-        classes = [model_class, *([getattr(transformers, text_class)] if text_class else [])]
-        sources = "".join(inspect.getsource(sys.modules[c.__module__]) for c in classes)
-        default = _MROPE_DEFAULT.search(sources)
-        if default is None:
+    per_type = [v for v in rope.values() if isinstance(v, dict)]
+    for params in per_type or [rope]:
+        sections = params.get("mrope_section") or _default_mrope_section(text, model_class)
+        if sections is None:
             return
-        sections = [int(s) for s in default.group(1).split(",") if s.strip()]
-    half = int(_head_dim(text) * rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))) // 2
-    scaled = [s * half // sum(sections) for s in sections]
-    odd = next((i for i, s in enumerate(sections) if sections.count(s) == 1), 0)
-    scaled[odd] += half - sum(scaled)
-    rope["mrope_section"] = scaled
+        factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+        half = int(_head_dim(text) * factor) // 2
+        scaled = [s * half // sum(sections) for s in sections]
+        odd = next((i for i, s in enumerate(sections) if sections.count(s) == 1), 0)
+        scaled[odd] += half - sum(scaled)
+        params["mrope_section"] = scaled
+
+
+def _default_mrope_section(text: dict[str, Any], model_class: type[torch.nn.Module]) -> list[int] | None:
+    # The text model may live in another family's module (GLM-4.6V's is GLM-4V's).
+    text_class = MODEL_MAPPING_NAMES.get(text.get("model_type", ""))
+    classes = [model_class, *([getattr(transformers, text_class)] if text_class else [])]
+    default = _MROPE_DEFAULT.search("".join(inspect.getsource(sys.modules[c.__module__]) for c in classes))
+    return None if default is None else [int(s) for s in default.group(1).split(",") if s.strip()]
 
 
 def _remap_token_ids(config: dict[str, Any], ids: dict[int, int]) -> None:
@@ -398,6 +403,13 @@ def _granite4_vision(config: dict[str, Any]) -> None:
     config["spatial_target_layers"] = [1] * len(config["spatial_target_layers"])
 
 
+def _cohere_compass(config: dict[str, Any]) -> None:
+    # RoPE parameters per layer type, which the default leaves empty ({}) and the rotary embedding indexes.
+    text = config["text_config"]
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    text["rope_parameters"] = {kind: dict(default) for kind in set(text["layer_types"])}
+
+
 def _hunyuan_vl(config: dict[str, Any]) -> None:
     # The tester's: four axes (position, width, height, image) of head_dim // 8 each.
     config["text_config"]["rope_parameters"]["mrope_section"] = [HEAD_DIM // 8] * 4
@@ -418,6 +430,7 @@ def _dots3_note(config: dict[str, Any]) -> None:
 
 _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "aria": _aria,
+    "cohere_compass": _cohere_compass,
     "dbrx": _dbrx,
     "deepseek_ocr2": _deepseek_ocr2,
     "dots3_note": _dots3_note,
@@ -481,10 +494,10 @@ def tiny_config(arch: Architecture) -> transformers.PretrainedConfig:
         if key in config and config[key] is None:  # left to the checkpoint (MiniCPM-V, BLIP-2): the image is unread
             config[key] = 151655  # Qwen's, moved into the shrunk vocab with the other special ids
     _shrink(config)
-    _set_mrope_section(config.get("text_config", config), _model_class(arch.model_type))
     _shrink_image_layout(config)
     if arch.model_type in _OVERRIDES:
         _OVERRIDES[arch.model_type](config)
+    _set_mrope_section(config.get("text_config", config), _model_class(arch.model_type))
     _remap_token_ids(config, {})
     try:
         return config_class.from_dict(config)
@@ -699,10 +712,12 @@ def _count_image_tokens(model: torch.nn.Module, pixels: dict[str, Any]) -> int:
     """How many image tokens the family's get_image_features makes of these pixels."""
     with torch.no_grad():
         features = _image_features_owner(model).get_image_features(**pixels)
-    if getattr(features, "deepstack_features", None):  # Granite 4 Vision: (text layer, features) per projector
+    if getattr(features, "pooler_output", None) is not None:
+        features = features.pooler_output
+    elif getattr(features, "deepstack_features", None):  # Granite 4 Vision: (text layer, features) per projector
         features = features.deepstack_features[0][1]
-    if hasattr(features, "pooler_output"):  # Fuyu's patch embeddings are the last hidden state
-        features = features.pooler_output if features.pooler_output is not None else features.last_hidden_state
+    elif hasattr(features, "last_hidden_state"):  # Fuyu's patch embeddings
+        features = features.last_hidden_state
     if isinstance(features, torch.Tensor):
         features = [features]
     width = model.get_input_embeddings().embedding_dim
