@@ -141,7 +141,7 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
         (
             r"(?:^|_)(hidden_size|d_model|n_embd|embed_dim|hidden_dim|output_dim|projection_dim|projector_input_dim"
             r"|projector_output_dim|word_embed_proj_dim|embedding_size|emb_dim|embedding_dim|output_channels"
-            r"|downsample_channels|output_proj_dims)$",
+            r"|downsample_channels|output_proj_dims|adapter_in_dim|adapter_out_dim|adapter_input_size)$",
             WIDTH,
         ),
         (r"(?:^|_)vocab_size(_per_layer_input)?$", VOCAB),
@@ -424,8 +424,11 @@ def _step3p7(config: dict[str, Any]) -> None:
 
 
 def _dots3_note(config: dict[str, Any]) -> None:
+    # Sliding-window layers' MLA sizes differ from the main ones (per_layer_config): their head_dim must stay the sum.
     text = config.get("text_config", config)
-    text["swa_head_dim"] = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]  # as the validator asks
+    for layer in text["per_layer_config"].values():
+        nope = layer.get("qk_nope_head_dim", text["qk_nope_head_dim"])
+        layer["head_dim"] = nope + layer.get("qk_rope_head_dim", text["qk_rope_head_dim"])
 
 
 _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
