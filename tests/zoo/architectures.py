@@ -145,6 +145,14 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
             WIDTH,
         ),
         (r"(?:^|_)vocab_size(_per_layer_input)?$", VOCAB),
+        (r"(?:^|_)hidden_sizes$", WIDTH),  # one a stage (Muse Spark's audio tower)
+        (r"(?:^|_)depths$", 1),
+        # Image VQ autoencoders (Janus, Chameleon): channels, blocks and codebook.
+        (r"^base_channels$", 32),  # GroupNorm's 32 groups
+        (r"^channel_multiplier$", 1),
+        (r"^latent_channels$", 16),
+        (r"^num_res_blocks$", 1),
+        (r"^(num_embeddings|codebook_size)$", 256),
     ]
 ]
 _LAYER_COUNT = ("num_hidden_layers", "depth", "num_layers", "n_layer", "n_layers")
@@ -403,6 +411,27 @@ def _granite4_vision(config: dict[str, Any]) -> None:
     config["spatial_target_layers"] = [1] * len(config["spatial_target_layers"])
 
 
+def _vq_vocabulary(config: dict[str, Any], name: Callable[[int], str], extra: dict[str, int]) -> None:
+    """Chameleon and Emu3 read an image as VQ codes, which the checkpoint's vocabulary_map turns into token ids: one
+    made up, the image placeholder and the codebook above the ids batch() draws text from."""
+    codebook = config["vq_config"].get("num_embeddings", config["vq_config"].get("codebook_size"))
+    config["image_token_id"] = VOCAB // 2
+    first = VOCAB // 2 + 8  # above the text tokens batch() draws: image codes' logits are masked out
+    config["vocabulary_map"] = {name(i): first + i for i in range(codebook)} | extra | {"<image>": VOCAB // 2}
+
+
+def _chameleon(config: dict[str, Any]) -> None:
+    # Code i is named IMGIMG, its digits as letters (0 -> A), and a closing letter.
+    _vq_vocabulary(config, lambda i: "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(i)) + "Z", {})
+    config["vq_config"]["resolution"] = 64  # the image's side: 4 x 4 codes after the 4 downsamplings
+
+
+def _emu3(config: dict[str, Any]) -> None:
+    _vq_vocabulary(config, lambda i: f"<|visual token{i:06d}|>", {"<|extra_200|>": VOCAB // 2 + 1})
+    vq = config["vq_config"]
+    vq["hidden_size"] = vq["base_channels"] * vq["channel_multiplier"][-1]  # its attention runs on the last stage
+
+
 def _cohere_compass(config: dict[str, Any]) -> None:
     # RoPE parameters per layer type, which the default leaves empty ({}) and the rotary embedding indexes.
     text = config["text_config"]
@@ -433,10 +462,12 @@ def _dots3_note(config: dict[str, Any]) -> None:
 
 _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "aria": _aria,
+    "chameleon": _chameleon,
     "cohere_compass": _cohere_compass,
     "dbrx": _dbrx,
     "deepseek_ocr2": _deepseek_ocr2,
     "dots3_note": _dots3_note,
+    "emu3": _emu3,
     "dots3_note_text": _dots3_note,
     "granite4_vision": _granite4_vision,
     "granitemoehybrid": _granitemoehybrid,
@@ -536,8 +567,9 @@ TEXT_BATCH = 2
 TEXT_LEN = 16
 
 
-def _params(function: Callable[..., Any]) -> set[str]:
-    return set(inspect.signature(function).parameters)
+def _params(function: Callable[..., Any], required: bool = False) -> set[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name for p in parameters if not required or p.default is inspect.Parameter.empty}
 
 
 def _forward_params(model: torch.nn.Module) -> set[str]:
@@ -584,6 +616,9 @@ def _vision_config(config: transformers.PretrainedConfig) -> Any:
 
 
 def _image_size(config: transformers.PretrainedConfig) -> tuple[int, int]:
+    resolution = getattr(getattr(config, "vq_config", None), "resolution", None)
+    if _int(resolution):  # Chameleon's VQ autoencoder
+        return resolution, resolution
     vision = _vision_config(config)
     size = getattr(vision, "image_size", None)
     if isinstance(size, (list, tuple)):
@@ -625,6 +660,9 @@ def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[st
     if "high_res_pixel_values" in names:  # DeepSeek-VL hybrid: the image again for its high-resolution SAM tower
         size = model.config.high_res_vision_config.image_size
         inputs["high_res_pixel_values"] = torch.randn(1, _channels(model.config), size, size, generator=generator)
+    required = {n for o in owners if hasattr(o, "get_image_features") for n in _params(o.get_image_features, True)}
+    if "image_sizes" in required and "image_sizes" not in inputs:  # Emu3's VQ encoder
+        inputs["image_sizes"] = torch.tensor([[height, width]])
     for name in names:
         if name in ("target_sizes", "spatial_shapes", "image_grid_hw"):  # the patch grid, as MiniCPM-V and LFM2-VL
             inputs[name] = grid
@@ -767,10 +805,14 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
 
 # ---------------------------------------------------------------------------------------------------------------------
 
-# Fuyu and Gemma 4 unified have no tower: their patches go through an embedding (vision_embed_tokens, embed_vision).
+# Families whose images reach the language model as VQ codes: their tower gets no gradient, image or not.
+DISCRETE_IMAGE_TOKENS = frozenset({"chameleon", "emu3"})
+
+# Fuyu and Gemma 4 unified have no tower: their patches go through an embedding (vision_embed_tokens, embed_vision);
+# Chameleon, Emu3 and Janus tokenize images with a VQ autoencoder (vqmodel).
 _TOWER_NAMES = (
     "visual", "vision_tower", "vision_model", "vision_encoder", "vision", "image_tower", "vision_embed_tokens",
-    "embed_vision",
+    "embed_vision", "vqmodel",
 )  # fmt: skip
 
 
