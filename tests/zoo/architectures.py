@@ -146,6 +146,8 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
         ),
         (r"(?:^|_)vocab_size(_per_layer_input)?$", VOCAB),
         (r"(?:^|_)hidden_sizes$", WIDTH),  # one a stage (Muse Spark's audio tower)
+        (r"^codebook_dim$", WIDTH),  # WavTokenizer's quantizer works at the hidden width (Apertus 1.5's audio)
+        (r"^num_filters$", 4),  # WavTokenizer's first conv, doubled at each of its 4 downsamplings
         (r"(?:^|_)depths$", 1),
         # Image VQ autoencoders (Janus, Chameleon): channels, blocks and codebook.
         (r"^base_channels$", 32),  # GroupNorm's 32 groups
@@ -432,6 +434,24 @@ def _emu3(config: dict[str, Any]) -> None:
     vq["hidden_size"] = vq["base_channels"] * vq["channel_multiplier"][-1]  # its attention runs on the last stage
 
 
+def _kolibri1_1(config: dict[str, Any]) -> None:
+    config["kv_source_layers"] = list(range(config["num_hidden_layers"]))  # each kept layer makes its own K/V
+    config["index_num_heads"] = HEADS // KV_HEADS  # at most the query heads a key head serves
+
+
+def _qwen4_exp(config: dict[str, Any]) -> None:
+    # The indexed-attention layers' indexer, unsized (None) in the default.
+    text = config.get("text_config", config)
+    text.update(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=8,
+                indexer_compress_ratio=2)  # fmt: skip
+
+
+def _apertus1p5(config: dict[str, Any]) -> None:
+    # Image codes then audio codes fill the vocab after the text ids: at a quarter of it, back to back.
+    config["image_token_offset"] = VOCAB // 4
+    config["audio_token_offset"] = VOCAB // 4 + config["vision_config"]["codebook_size"]
+
+
 def _cohere_compass(config: dict[str, Any]) -> None:
     # RoPE parameters per layer type, which the default leaves empty ({}) and the rotary embedding indexes.
     text = config["text_config"]
@@ -461,6 +481,7 @@ def _dots3_note(config: dict[str, Any]) -> None:
 
 
 _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "apertus1p5": _apertus1p5,
     "aria": _aria,
     "chameleon": _chameleon,
     "cohere_compass": _cohere_compass,
@@ -473,6 +494,7 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "granitemoehybrid": _granitemoehybrid,
     "hunyuan_vl": _hunyuan_vl,
     "jamba": _jamba,
+    "kolibri1_1": _kolibri1_1,
     "kosmos-2": _kosmos,
     "kosmos-2.5": _kosmos,
     "lfm2_moe": _lfm2_moe,
@@ -482,6 +504,8 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "muse_glimmer": _muse,
     "muse_spark": _muse,
     "qwen2_5_omni_thinker": _omni_thinker,
+    "qwen4_exp": _qwen4_exp,
+    "qwen4_exp_text": _qwen4_exp,
     "qwen3_omni_moe_thinker": _omni_thinker,
     "step3p7": _step3p7,
     "vipllava": _vipllava,
@@ -806,13 +830,13 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
 # ---------------------------------------------------------------------------------------------------------------------
 
 # Families whose images reach the language model as VQ codes: their tower gets no gradient, image or not.
-DISCRETE_IMAGE_TOKENS = frozenset({"chameleon", "emu3"})
+DISCRETE_IMAGE_TOKENS = frozenset({"apertus1p5", "chameleon", "emu3"})
 
 # Fuyu and Gemma 4 unified have no tower: their patches go through an embedding (vision_embed_tokens, embed_vision);
-# Chameleon, Emu3 and Janus tokenize images with a VQ autoencoder (vqmodel).
+# Chameleon, Emu3, Janus and Apertus 1.5 tokenize images with a VQ autoencoder (vqmodel, vision_tokenizer).
 _TOWER_NAMES = (
     "visual", "vision_tower", "vision_model", "vision_encoder", "vision", "image_tower", "vision_embed_tokens",
-    "embed_vision", "vqmodel",
+    "embed_vision", "vqmodel", "vision_tokenizer",
 )  # fmt: skip
 
 
