@@ -358,8 +358,13 @@ def switched_off(engine: Any) -> Iterator[None]:
     For a model stock DeepSpeed trains right, a step in the block is a stock step on the engine's buffers (no
     safe_zero function runs in it, tests/benchmarks); between its steps safe_zero's state stays as the last step
     left it, and the next backward begins afresh as always."""
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+
+    from safe_zero.fixes.gradless_params import SafeZeROOrderedDict
     from safe_zero.patching import is_override, pass_through, resume
 
+    # The parameter dictionaries a recording forward left watching reads: DeepSpeed's class inside the block.
+    watching = [m._parameters for m in engine.module.modules() if type(m._parameters) is SafeZeROOrderedDict]
     owners = [engine.optimizer]
     offload = getattr(engine.optimizer, "parameter_offload", None)
     if offload is not None:
@@ -371,9 +376,13 @@ def switched_off(engine: Any) -> Iterator[None]:
                      if name != "__init__" and is_override(method) and klass not in idle.get(name, ())]
     for owner, name, klass in switched:
         pass_through(owner, name, klass)
+    for params in watching:
+        params.__class__ = ZeROOrderedDict
     try:
         yield
     finally:
+        for params in watching:
+            params.__class__ = SafeZeROOrderedDict
         for owner, name, klass in reversed(switched):
             resume(owner, name, klass)
 
