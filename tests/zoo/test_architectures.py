@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("transformers")
+
 from tests.zoo.architectures import (
     DISCRETE_IMAGE_TOKENS,
     Architecture,
