@@ -400,6 +400,7 @@ def _vipllava(config: dict[str, Any]) -> None:
 
 def _molmo2(config: dict[str, Any]) -> None:
     config["adapter_config"]["vision_feature_layer"] = [-1, -2]  # the default's [24, 18]
+    config["vision_config"]["num_position_embeddings"] = PATCHES_PER_SIDE**2  # one a patch, not interpolated
 
 
 def _kosmos(config: dict[str, Any]) -> None:
@@ -452,6 +453,11 @@ def _apertus1p5(config: dict[str, Any]) -> None:
     config["audio_token_offset"] = VOCAB // 4 + config["vision_config"]["codebook_size"]
 
 
+def _inkling(config: dict[str, Any]) -> None:
+    # The audio embedding has one row per (mel bin, level): 80 x 256 by default.
+    config["audio_config"].update(n_mel_bins=8, mel_vocab_size=16)
+
+
 def _cohere_compass(config: dict[str, Any]) -> None:
     # RoPE parameters per layer type, which the default leaves empty ({}) and the rotary embedding indexes.
     text = config["text_config"]
@@ -493,6 +499,7 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "granite4_vision": _granite4_vision,
     "granitemoehybrid": _granitemoehybrid,
     "hunyuan_vl": _hunyuan_vl,
+    "inkling_mm_model": _inkling,
     "jamba": _jamba,
     "kolibri1_1": _kolibri1_1,
     "kosmos-2": _kosmos,
@@ -681,6 +688,13 @@ def _pixels(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[st
         dim = _channels(model.config) * merged**2 if merged else flat[1]
         inputs["pixel_values"] = torch.randn(1, side * side, dim, generator=generator)
         inputs["image_position_ids"] = xy.reshape(1, -1, 2)
+    if "image_token_pooling" in names:  # Molmo2: one crop's patches, each token pooling a 2 x 2 block of them
+        side = PATCHES_PER_SIDE // 2
+        block = torch.tensor([0, 1, PATCHES_PER_SIDE, PATCHES_PER_SIDE + 1])
+        corners = torch.tensor([2 * (t // side) * PATCHES_PER_SIDE + 2 * (t % side) for t in range(side * side)])
+        inputs["pixel_values"] = torch.randn(1, *flat, generator=generator)
+        inputs["image_token_pooling"] = corners[:, None] + block
+        inputs["image_grids"] = torch.tensor([[side, side, 0, 0]])
     if "high_res_pixel_values" in names:  # DeepSeek-VL hybrid: the image again for its high-resolution SAM tower
         size = model.config.high_res_vision_config.image_size
         inputs["high_res_pixel_values"] = torch.randn(1, _channels(model.config), size, size, generator=generator)
@@ -716,6 +730,9 @@ def _pixel_layout(model: torch.nn.Module, generator: torch.Generator) -> tuple[d
         ids = torch.ones(1, 1, dtype=torch.long)
         return {"pixel_values": pixel_values, "aspect_ratio_ids": ids, "aspect_ratio_mask": one_tile}, 1
     pixel_values = torch.randn(1, channels, height, width, generator=generator)
+    if config.model_type in _CHANNELS_LAST_CLIPS:  # Inkling: (batch, frames, height, width, channels)
+        frames = getattr(vision, "temporal_patch_size", 1)
+        pixel_values = torch.randn(1, frames, height, width, channels, generator=generator)
     if config.model_type in _FLAT_PATCHES:
         patch = _patch_size(vision)
         pixel_values = torch.randn(1, PATCHES_PER_SIDE**2, channels * patch**2, generator=generator)
@@ -743,6 +760,9 @@ def _pixel_layout(model: torch.nn.Module, generator: torch.Generator) -> tuple[d
 
 # Families that take an image as its patches' pixels, a row a patch: Fuyu's linear patch embedding.
 _FLAT_PATCHES = {"fuyu"}
+_CHANNELS_LAST_CLIPS = {"inkling_mm_model"}
+# Families that want mm_token_type_ids in every training batch, text-only ones too.
+_TOKEN_TYPES_ALWAYS = {"molmo2"}
 # Families whose pixel_attention_mask marks real tiles, not real pixels.
 _TILE_MASKS = {"granite_docling"}
 
@@ -751,8 +771,8 @@ _TILE_MASKS = {"granite_docling"}
 _PATCH_LAYOUTS = {
     "kimi_k25": "conv",  # (patches, channels, patch, patch)
     "paddleocr_vl": "conv",
-    "inkling2": "pixels",  # (pixels, channels), the patches' pixels row by row
-    "inkling2_loop": "pixels",
+    "inkling2": "tokens",  # (tokens, merge * patch, merge * patch, channels)
+    "inkling2_loop": "tokens",
 }
 
 
@@ -762,10 +782,12 @@ def _patches(model_type: str, vision: Any, channels: int, generator: torch.Gener
     merge = getattr(vision, "spatial_merge_size", 1)
     grid = torch.tensor([[1, 2 * merge, 2 * merge]])  # 4 tokens once merged
     n = int(grid.prod())
-    shape = {
-        "conv": (n, channels, patch, patch),
-        "pixels": (n * patch * patch, channels),
-    }.get(_PATCH_LAYOUTS.get(model_type, ""), (n, channels * temporal * patch * patch))
+    layout = _PATCH_LAYOUTS.get(model_type)
+    if layout == "tokens":  # Inkling 2: each token's merged patch as pixels, channels last; the grid in tokens
+        shape: tuple[int, ...] = (4, merge * patch, merge * patch, channels)
+        grid = torch.tensor([[1, 2, 2]])
+    else:
+        shape = (n, channels, patch, patch) if layout == "conv" else (n, channels * temporal * patch * patch)
     return {"pixel_values": torch.randn(*shape, generator=generator), "image_grid_thw": grid}
 
 
@@ -799,7 +821,10 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
     generator = _generator(rank, step)
     if not image or arch.kind == "moe_lm":
         input_ids = _text_tokens(model, generator, (TEXT_BATCH, TEXT_LEN))
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+        if arch.model_type in _TOKEN_TYPES_ALWAYS:
+            inputs["mm_token_type_ids"] = torch.zeros_like(input_ids)
+        return inputs
     config = model.config
     pixels, n_image = _pixels(model, generator)
     image_id = _first_int(config, "image_token_id", "image_token_index")
