@@ -136,8 +136,10 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
         (r"(?:^|_)(num_attention_heads|num_heads|n_head|n_heads|attention_heads)$", HEADS),
         (r"(?:^|_)(num_hidden_layers|num_layers|n_layer|n_layers|depth|encoder_layers|decoder_layers)$", LAYERS),
         (r"^(num_global_layers|resampler_depth)$", LAYERS),
-        (r"intermediate_size|(?:^|_)(ffn_dim|mlp_dim)$|^(d_ff|dff|dim_ff|d_inner|n_inner|ffn_hidden_size)$",
-         INTERMEDIATE),
+        (
+            r"intermediate_size|(?:^|_)(ffn_dim|mlp_dim)$|^(d_ff|dff|dim_ff|d_inner|n_inner|ffn_hidden_size)$",
+            INTERMEDIATE,
+        ),
         (
             r"(?:^|_)(hidden_size|d_model|n_embd|embed_dim|hidden_dim|output_dim|projection_dim|projector_input_dim"
             r"|projector_output_dim|word_embed_proj_dim|embedding_size|emb_dim|embedding_dim|output_channels"
@@ -404,7 +406,7 @@ def _molmo2(config: dict[str, Any]) -> None:
 
 
 def _kosmos(config: dict[str, Any]) -> None:
-    config["latent_query_num"] = 4  # image tokens the resampler makes (2048 for Kosmos-2.5)
+    config["latent_query_num"] = 4  # image tokens the resampler makes (2048)
 
 
 def _granite4_vision(config: dict[str, Any]) -> None:
@@ -494,15 +496,14 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "dbrx": _dbrx,
     "deepseek_ocr2": _deepseek_ocr2,
     "dots3_note": _dots3_note,
-    "emu3": _emu3,
     "dots3_note_text": _dots3_note,
+    "emu3": _emu3,
     "granite4_vision": _granite4_vision,
     "granitemoehybrid": _granitemoehybrid,
     "hunyuan_vl": _hunyuan_vl,
     "inkling_mm_model": _inkling,
     "jamba": _jamba,
     "kolibri1_1": _kolibri1_1,
-    "kosmos-2": _kosmos,
     "kosmos-2.5": _kosmos,
     "lfm2_moe": _lfm2_moe,
     "llama4": _llama4,
@@ -511,9 +512,9 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "muse_glimmer": _muse,
     "muse_spark": _muse,
     "qwen2_5_omni_thinker": _omni_thinker,
+    "qwen3_omni_moe_thinker": _omni_thinker,
     "qwen4_exp": _qwen4_exp,
     "qwen4_exp_text": _qwen4_exp,
-    "qwen3_omni_moe_thinker": _omni_thinker,
     "step3p7": _step3p7,
     "vipllava": _vipllava,
     "zaya": _zaya,
@@ -533,7 +534,7 @@ _UNBUILDABLE: dict[str, str] = {
     "pix2struct": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image (flattened_patches)",
     "pp_formulanet": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image",
     "vision-encoder-decoder": _NO_TEXT_ONLY + "an encoder-decoder whose encoder reads only the image",
-    "udop": "a layout model: every token needs a bounding box (bbox), and the image patches share the text encoder",
+    "udop": "a layout model: its relative position bias requires a bounding box (bbox) for every token",
     "diffusion_gemma": "a block-diffusion model: it denoises a canvas of tokens, no labels and no next-token loss",
     "evolla": "a protein-text model: its encoder reads protein sequences, not images",
     "pi0": "a robot policy: trained on states and actions (flow matching), not a next-token loss",
@@ -573,8 +574,6 @@ def tiny_config(arch: Architecture) -> transformers.PretrainedConfig:
 def _line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:200]}"
-
-
 
 
 def build(arch: Architecture, seed: int = 0) -> torch.nn.Module:
@@ -635,8 +634,6 @@ def _text_tokens(model: torch.nn.Module, generator: torch.Generator, shape: tupl
 
 def _generator(rank: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * rank + step)
-
-
 
 
 def _vision_config(config: transformers.PretrainedConfig) -> Any:
@@ -753,8 +750,6 @@ def _pixel_layout(model: torch.nn.Module, generator: torch.Generator) -> tuple[d
         position = torch.stack([rows, columns], dim=-1).float()[None]
         inputs = {"flattened_patches": torch.cat([position, pixels], dim=-1)}
         return inputs, config.latent_query_num
-    if "image_embeds_position_mask" in params:  # Kosmos-2: the latent queries go where the mask says
-        return inputs, config.latent_query_num
     return inputs, None
 
 
@@ -829,7 +824,7 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
     pixels, n_image = _pixels(model, generator)
     image_id = _first_int(config, "image_token_id", "image_token_index")
     image_ids: list[int] = []
-    if "image_embeds_position_mask" in _forward_params(model):  # Kosmos-2: any ids, the mask places the image
+    if "image_embeds_position_mask" in _forward_params(model):  # Kosmos-2.5: any ids, the mask places the image
         image_ids = _text_tokens(model, generator, (n_image,)).tolist()
     elif image_id is not None:  # else the model prepends or cross-attends the image itself (BLIP-2, GIT)
         image_ids = [image_id] * (_count_image_tokens(model, pixels) if n_image is None else n_image)

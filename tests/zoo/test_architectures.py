@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from tests.zoo.architectures import (
     DISCRETE_IMAGE_TOKENS,
+    KINDS,
     Architecture,
     Unbuildable,
     batch,
@@ -39,7 +40,7 @@ def test_discover_lists_vlms_and_moe_lms(archs: dict[str, Architecture]) -> None
     assert set(PRIORITY) <= set(archs)
     assert set(MOE_LMS) <= {t for t, a in archs.items() if a.kind == "moe_lm"}
     assert sum(a.kind == "moe_lm" for a in archs.values()) >= 50
-    assert {a.kind for a in archs.values()} == {"vlm", "moe_vlm", "moe_lm"}
+    assert {a.kind for a in archs.values()} == set(KINDS)
     assert archs["qwen3_vl_moe"].kind == "moe_vlm" and archs["qwen2_vl"].kind == "vlm"
     assert list(archs) == sorted(archs)
 
@@ -112,6 +113,8 @@ def test_every_architecture_builds_and_trains_or_says_why_not(
     except Unbuildable as e:
         assert str(e) and "\n" not in str(e)
         pytest.skip(f"unbuildable: {e}")
+    again = build(arch).state_dict()
+    assert all(torch.equal(value, again[key]) for key, value in model.state_dict().items())
     if arch.kind == "moe_lm":
         _step(arch, model, image=False)
         return
