@@ -118,7 +118,7 @@ class Outcome:
 
     def cell(self) -> str:
         if self.verdict == "failed":
-            return f"fails: {self.detail}"
+            return "aborts" if self.detail.startswith("a rank aborted") else f"fails: {self.detail}"
         return f"{'DDP-exact' if self.verdict == 'exact' else 'WRONG'} ({self.difference:.1e})"
 
 
