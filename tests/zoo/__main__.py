@@ -7,7 +7,8 @@ Vision-language models run at 2 and 3 ranks (images on the even ranks, text only
 versions are kept in ``.zoo/rows.jsonl`` and skipped on a rerun, so an interrupted run goes on where it stopped
 (``--fresh`` starts over).
 
-    python -m tests.zoo [--only MODEL_TYPE ...] [--kinds vlm moe_vlm moe_lm remote_moe_lm] [--fresh]
+    python -m tests.zoo [--only MODEL_TYPE ...] [--kinds vlm moe_vlm moe_lm remote_moe_lm] [--stages 2 3]
+                        [--ranks 2 3] [--render] [--fresh]
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _unbuildable(rows: dict[tuple, dict], arch: Architecture) -> str | None:
     return rows[arch.model_type, None, None, None].get("unbuildable")
 
 
-def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str]) -> None:
+def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str],
+            stages: tuple[int, ...] = STAGES, ranks: tuple[int, ...] = (2, 3)) -> None:
     from safe_zero.ranks import Pools
 
     pools = Pools()
@@ -93,9 +95,9 @@ def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[st
             if _unbuildable(rows, arch):
                 continue
             base = {"model_type": arch.model_type, "kind": arch.kind, "versions": current}
-            for world_size in world_sizes(arch):
+            for world_size in (w for w in world_sizes(arch) if w in ranks):
                 expected = None
-                for stage in STAGES:
+                for stage in stages:
                     for safe in (False, True):
                         key = (arch.model_type, stage, world_size, safe)
                         if key in rows:
@@ -168,6 +170,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kinds", nargs="*", default=["vlm", "moe_vlm", "moe_lm", REMOTE])
     parser.add_argument("--fresh", action="store_true", help="measure every row again")
     parser.add_argument("--render", action="store_true", help="write the table from the rows measured so far")
+    parser.add_argument("--stages", nargs="*", type=int, default=list(STAGES), help="these ZeRO stages only")
+    parser.add_argument("--ranks", nargs="*", type=int, default=[2, 3], help="these world sizes only")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     current = versions()
@@ -177,7 +181,8 @@ def main(argv: list[str]) -> None:
     rows = _load(current)
     census(everything, rows, current)
     if not args.render:
-        measure([a for a in everything if not args.only or a.model_type in args.only], rows, current)
+        measure([a for a in everything if not args.only or a.model_type in args.only], rows, current,
+                tuple(args.stages), tuple(args.ranks))
     TABLE.write_text(render(everything, rows, current))
     print(f"wrote {TABLE.relative_to(ROOT)}")
 
