@@ -340,6 +340,26 @@ class TiedTower(OptionalTower):
         self.tower[2].weight = self.inp.weight
 
 
+class FunctionalReadingTower(nn.Module):
+    """An optional tower, and a weight every rank reads without entering its module (``F.linear(h, self.mix.weight)``,
+    as inkling2's causal convolution reads ``conv1d.weight``), registered before the tower: the text-only ranks read
+    it while the others are still in the tower."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.mix = nn.Linear(8, 8)
+        self.tower = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if image is not None:
+            h = h + self.tower(image)
+        h = torch.nn.functional.linear(h, self.mix.weight)
+        return (self.head(h) - y).pow(2).mean()
+
+
 class _Shift(nn.Module):
     """A linear layer whose learned shift is added only when asked: entered on every rank, ``shift`` used on some."""
 

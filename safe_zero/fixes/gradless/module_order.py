@@ -11,8 +11,10 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import (ZeroParamStatus, register_external_parameter,
+                                                          unregister_external_parameter)
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
 from torch import nn
@@ -245,6 +247,8 @@ class AgreesOnModulesWhileRecording:
     #: In a lockstep: the modules this rank entered (or read) gathered whole, and the ``ds_id`` of every module
     #: inside them.
     _safe_zero_wholes: list[nn.Module] = []
+    #: Reads the lockstep served this forward: (module running, module read, parameter).
+    _safe_zero_served_reads: list[tuple[nn.Module, nn.Module, nn.Parameter]] = []
     _safe_zero_inside: frozenset[int] | set[int] = frozenset()
     #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
     _safe_zero_built = itertools.count()
@@ -390,6 +394,13 @@ class AgreesOnModulesWhileRecording:
         self._safe_zero_read.add(owner.ds_id)
         self._safe_zero_group = param.ds_process_group
         self._agree_on_module(read_of(owner.ds_id), [param])
+        if param.ds_status == ZeroParamStatus.AVAILABLE and parameter_offload.FWD_MODULE_STACK:
+            # Gathered by the lockstep, so DeepSpeed's access will not register it with the module running, as it does
+            # with what it gathers itself (that module's backward gathers it again): registered here instead, and
+            # taken back at the end of the forward where not every rank read it (its module is kept gathered then).
+            reader = parameter_offload.FWD_MODULE_STACK[-1]
+            register_external_parameter(reader, param)
+            self._safe_zero_served_reads = [*self._safe_zero_served_reads, (reader, owner, param)]
 
     @overrides
     def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
@@ -487,6 +498,13 @@ class AgreesOnModulesWhileRecording:
             pass_through(self, "release_sub_module", AgreesOnModulesWhileRecording)
         entered, read = self._entered_by_rank()
         skipped = skipped_modules(entered, self._safe_zero_alternatives, read)
+        # A read some ranks made only keeps its module gathered (``skipped``): the reading module's fetch list is the
+        # same on every rank again.
+        everyone = set.intersection(*read)
+        for reader, owner, param in self._safe_zero_served_reads:
+            if self._safe_zero_modules[owner.ds_id][0] not in everyone:
+                unregister_external_parameter(reader, param)
+        self._safe_zero_served_reads = []
         modules = {name: self._modules_by_name[name] for name in skipped}
         if modules:
             self.keep_gathered(modules, "found: some ranks skipped them in a forward", gather_now=True)
