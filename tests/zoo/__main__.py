@@ -123,6 +123,8 @@ def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str
         return Outcome(row["verdict"], row["difference"], row["detail"]).cell()
 
     today = datetime.date.today().isoformat()
+    commits = sorted({row["versions"]["safe_zero"] for key, row in rows.items() if key[1] is not None})
+    current = {**current, "safe_zero": ", ".join(commits) or current["safe_zero"]}
     lines = [
         "# The transformers zoo",
         "",
@@ -150,6 +152,8 @@ def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str
             not_run.append(arch.model_type)
             continue
         for world_size in world_sizes(arch):
+            if not any((arch.model_type, s, world_size, safe) in rows for s in STAGES for safe in (False, True)):
+                continue
             kept = rows.get((arch.model_type, 3, world_size, True), {}).get("kept", "")
             kept = kept.split(" kept gathered")[0].removeprefix("optional module(s) ") if kept else ""
             cells = [cell(arch.model_type, s, world_size, safe) for s in STAGES for safe in (False, True)]
