@@ -5,7 +5,7 @@ training on the global batch; writes ``docs/zoo.md``.
 Vision-language models run at 2 and 3 ranks (images on the even ranks, text only on the odd ones), MoE causal LMs
 (transformers' own, and the remote-code ones of ``tests/zoo/remote``) at 2. Rows already measured on the same
 versions are kept in ``.zoo/rows.jsonl`` and skipped on a rerun, so an interrupted run goes on where it stopped
-(``--fresh`` starts over).
+(``--fresh`` measures the selected rows again).
 
     python -m tests.zoo [--only MODEL_TYPE ...] [--kinds vlm moe_vlm moe_lm remote_moe_lm] [--stages 2 3]
                         [--ranks 2 3] [--render] [--fresh]
@@ -66,6 +66,15 @@ def _save(row: dict) -> None:
     CACHE.parent.mkdir(exist_ok=True)
     with CACHE.open("a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def _forget(rows: dict[tuple, dict], only: list[str] | None, stages: list[int], ranks: list[int]) -> None:
+    """Drops the measured rows ``--only``/``--stages``/``--ranks`` select and rewrites the cache without them."""
+    for key in [k for k in rows if k[1] is not None and (not only or k[0] in only) and k[1] in stages
+                and k[2] in ranks]:
+        del rows[key]
+    CACHE.parent.mkdir(exist_ok=True)
+    CACHE.write_text("".join(json.dumps(row) + "\n" for row in rows.values()))
 
 
 def census(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str]) -> None:
@@ -172,17 +181,17 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="these model types only")
     parser.add_argument("--kinds", nargs="*", default=["vlm", "moe_vlm", "moe_lm", REMOTE])
-    parser.add_argument("--fresh", action="store_true", help="measure every row again")
+    parser.add_argument("--fresh", action="store_true", help="measure the selected rows again")
     parser.add_argument("--render", action="store_true", help="write the table from the rows measured so far")
     parser.add_argument("--stages", nargs="*", type=int, default=list(STAGES), help="these ZeRO stages only")
     parser.add_argument("--ranks", nargs="*", type=int, default=[2, 3], help="these world sizes only")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     current = versions()
-    if args.fresh and CACHE.exists():
-        CACHE.unlink()
     everything = architectures(args.kinds)
     rows = _load(current)
+    if args.fresh:
+        _forget(rows, args.only, args.stages, args.ranks)
     census(everything, rows, current)
     if not args.render:
         measure([a for a in everything if not args.only or a.model_type in args.only], rows, current,
