@@ -39,7 +39,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 from benchmarks import bodies  # noqa: E402
-from safe_zero.ranks import DistPool  # noqa: E402
+from tests.rig import DistPool  # noqa: E402
 
 #: The control model: rounds per run and runs per engine.
 ROUNDS = 12

@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    from safe_zero.ranks import DistPool
+    from tests.rig import DistPool
 
     pool = DistPool(2)
     try:

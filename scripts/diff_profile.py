@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from benchmarks import bodies  # noqa: E402
-from safe_zero.ranks import DistPool  # noqa: E402
+from tests.rig import DistPool  # noqa: E402
 
 GROUPS = ("safe_zero", "deepspeed", "torch", "builtins", "other")
 

@@ -96,7 +96,7 @@ def _unbuildable(rows: dict[tuple, dict], arch: Architecture) -> str | None:
 
 def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str],
             stages: tuple[int, ...] = STAGES, ranks: tuple[int, ...] = (2, 3)) -> None:
-    from safe_zero.ranks import Pools
+    from tests.rig import Pools
 
     pools = Pools()
     try:

@@ -153,7 +153,7 @@ def first_line(error: BaseException) -> str:
 def run_row(pools: Any, arch: Architecture, stage: int, safe: bool, world_size: int, expected: dict[str, Any],
             timeout: float = 180) -> Outcome:
     """One row on ``pools`` (``safe_zero.ranks.Pools``); a row that fails leaves its pool to be rebuilt."""
-    from safe_zero.ranks import RankFailure
+    from tests.rig import RankFailure
 
     try:
         results = pools.run(world_size, train, model_type=arch.model_type, kind=arch.kind, stage=stage, safe=safe,
