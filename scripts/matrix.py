@@ -8,7 +8,7 @@ assert the stock error where the release has the defect and that safe_zero passe
 the suite is reported as one column.
 
 Prints a Markdown table (release x fix -> stock, safe_zero), writes it to ``scripts/matrix.md``
-and into the README between the ``matrix`` markers. Exit status 1 if any test failed.
+and into docs/versions.md between the ``matrix`` markers. Exit status 1 if any test failed.
 
     make matrix                                  # every release below
     MATRIX_RELEASES="0.19.0 0.19.8" make matrix  # a subset
@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASES = os.environ.get("MATRIX_RELEASES", "0.18.3 0.18.9 0.19.0 0.19.6 0.19.7 0.19.8").split()
 TORCH_PIN = "torch==2.13.0"
 README_START, README_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+MATRIX_DOC = os.path.join("docs", "versions.md")  # where the table is shown, between those markers
 OTHER = "rest of the core suite"
 
 
@@ -91,7 +92,7 @@ def _counts(counter: collections.Counter) -> str:
 def _commit() -> str:
     head = _sh(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
     # The files this script writes do not count as changes to what it measured.
-    dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!README.md",
+    dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{MATRIX_DOC}",
                  ":!scripts/matrix.md"]).stdout.strip()
     return head + ("+changes" if dirty else "")
 
@@ -143,7 +144,7 @@ def _row(release: str) -> dict[str, str]:
 
 
 def _write_readme(table: str) -> None:
-    path = os.path.join(ROOT, "README.md")
+    path = os.path.join(ROOT, MATRIX_DOC)
     text = open(path).read()
     if README_START in text and README_END in text:
         head, rest = text.split(README_START, 1)

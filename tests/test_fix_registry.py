@@ -1,5 +1,5 @@
 """A fix describes itself, and nothing of it is forgotten: every fix module is listed in FIXES, has a probe (or
-says why not), a test file, a README row, and mixins in the safe classes (see "Developing" in the README)."""
+says why not), a test file, a README row, and mixins in the safe classes (see "A new fix" in docs/developing.md)."""
 
 import pathlib
 import pkgutil
