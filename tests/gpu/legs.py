@@ -1,11 +1,12 @@
-"""Rank bodies of the GPU check: each leg builds one stock or one safe_zero engine and returns what it saw.
+"""The legs of the GPU checks (``tests/gpu/test_gpu.py``): each builds one stock or one safe_zero engine on every
+rank of a pool (``tests/rig.py``, NCCL) and returns what it saw.
 
 A leg never decides pass or fail: it returns a JSON-able record (the optimizer wrapper it got, the
 ``data_ptr() % 16`` of every grouped_mm operand, losses, shapes, and the error text where it stopped)
-and :mod:`benchmarks.gpu.checks` judges the records. A stock leg that fails records its error instead of
+and ``tests/gpu/claims.py`` judges the records. A stock leg that fails records its error instead of
 raising, so the offsets it saw before failing are kept. Every leg runs on the device DeepSpeed's
-accelerator names (CUDA in the GPU check; the CPU accelerator in the unit tests, which replace CUDA's
-grouped_mm by :func:`cuda_like` to show that the judging fails where it should).
+accelerator names (CUDA in the GPU checks; the CPU accelerator in ``test_without_gpu.py``, which replaces
+CUDA's grouped_mm by :func:`cuda_like` to show that the claims fail where they should).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import traceback
 from typing import Any, Callable, Iterator
 
 import torch
@@ -530,8 +530,11 @@ def ddp_reference(model: str, world_size: int, steps: int = STEPS) -> dict[str, 
     return {name: p.detach().clone() for name, p in net.named_parameters()}
 
 
-def ddp_leg(model: str, safe: bool, steps: int = STEPS) -> dict[str, Any]:
-    """fp32 ZeRO-3 at this world size, each rank on its own experts; the largest difference from :func:`ddp_reference`."""
+def ddp_leg(model: str, safe: bool, steps: int = STEPS, raising: bool = False) -> dict[str, Any]:
+    """fp32 ZeRO-3 at this world size, each rank on its own experts; the largest difference from :func:`ddp_reference`.
+
+    ``raising``: a step's error is raised, not recorded (a rank that stops while the other waits in a collective:
+    the pool then ends the job after its grace, with this rank's error)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -551,6 +554,8 @@ def ddp_leg(model: str, safe: bool, steps: int = STEPS) -> dict[str, Any]:
         for _ in range(steps):
             out["losses"].append(_step(engine, x, y))
     except Exception as e:  # noqa: BLE001
+        if raising:
+            raise
         out.update(error=error_text(e), where=f"step {len(out['losses']) + 1}")
         return out
     params = list(engine.module.parameters())
@@ -611,11 +616,3 @@ def _quantized_gather_keeps_dtype() -> bool:
     from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
     return "dtype" in inspect.signature(CUDAQuantizer.dequantize).parameters
-
-
-def run_leg(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
-    """``fn(**kwargs)``, with anything it did not record itself turned into an ``error`` record."""
-    try:
-        return fn(**kwargs)
-    except BaseException as e:  # noqa: BLE001 - the worker must write a record for every leg
-        return {"error": error_text(e), "where": "leg", "traceback": traceback.format_exc()[-4000:]}

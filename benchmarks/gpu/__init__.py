@@ -1,1 +1,0 @@
-"""The GPU-only checks: ``benchmarks/gpu_check.sh`` runs ``check.py``, which launches ``bodies`` legs and ``checks`` judges them."""
