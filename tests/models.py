@@ -360,6 +360,39 @@ class FunctionalReadingTower(nn.Module):
         return (self.head(h) - y).pow(2).mean()
 
 
+class _ReadsItsChild(nn.Module):
+    """Has parameters of its own (its entry is agreed on) and reads ``conv.weight`` without entering ``conv``, as
+    Qwen3.5's gated delta net (``A_log``, ``dt_bias``) reads ``conv1d.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.conv = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(torch.nn.functional.linear(h * self.scale, self.conv.weight)))
+
+
+class WholeReadingTower(nn.Module):
+    """An optional tower, and a block registered before it that reads its child's weight without entering the child
+    (MiniCPM-V 4.6's text model): the text-only ranks reach the block while the others are in the tower, so the
+    lockstep gathers it whole for them and the read finds the weight gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = _ReadsItsChild()
+        self.tower = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if image is not None:
+            h = h + self.tower(image)
+        return (self.head(self.block(h)) - y).pow(2).mean()
+
+
 class _Shift(nn.Module):
     """A linear layer whose learned shift is added only when asked: entered on every rank, ``shift`` used on some."""
 

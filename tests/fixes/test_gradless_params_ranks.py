@@ -27,9 +27,9 @@ from packaging.version import Version
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import (CheckpointedMoE, ExpertMoE, ForeignReadingTower, FunctionalReadingTower, LateCheckpointedMoE, MovingScale,
-                          NonReentrantCheckpointedMoE, OptionalTower, ReadingTower, RootExperts, SometimesShifted,
-                          TiedTower, build, expert_batch)
+from tests.models import (CheckpointedMoE, ExpertMoE, ForeignReadingTower, FunctionalReadingTower, LateCheckpointedMoE,
+                          MovingScale, NonReentrantCheckpointedMoE, OptionalTower, ReadingTower, RootExperts,
+                          SometimesShifted, TiedTower, WholeReadingTower, build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -53,7 +53,8 @@ MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "
           "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
           "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
           "tower-all": OptionalTower, "moe-root": RootExperts, "tower-reads": ReadingTower,
-          "tower-reads-foreign": ForeignReadingTower, "tower-tied": TiedTower, "tower-functional": FunctionalReadingTower}
+          "tower-reads-foreign": ForeignReadingTower, "tower-tied": TiedTower,
+          "tower-functional": FunctionalReadingTower, "tower-whole-reads": WholeReadingTower}
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -558,14 +559,16 @@ def test_safe_zero3_stops_on_an_optional_tower_naming_the_module_and_the_setting
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("model", ["tower", "tower-moving", "moe-root", "tower-reads", "tower-reads-foreign",
-                                   "tower-tied", "tower-functional"])
+                                   "tower-tied", "tower-functional", "tower-whole-reads"])
 def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(ranks, model, world_size):
     """``tower``: only even ranks run it; ``tower-moving``: the ranks that run it change every step; ``moe-root``:
     an experts ``ModuleList`` beside the root; ``tower-reads``: the tower's first module has no parameters of its own
     and reads its child's weight before calling it (Qwen2-VL's patch embedding); ``tower-reads-foreign``: the image
     path reads a weight of a module every rank runs, outside it; ``tower-tied``: a tower layer shares its weight with a
     module every rank runs; ``tower-functional``: every rank reads a weight without entering its module, the text-only
-    ranks while the others are in the tower (served by the lockstep, and gathered again for the backward). The towers are found in the first forward (the ranks diverge, go on
+    ranks while the others are in the tower (served by the lockstep, and gathered again for the backward);
+    ``tower-whole-reads``: the text-only ranks run a block gathered whole for them while the others are in the tower,
+    and it reads its child's weight without entering the child. The towers are found in the first forward (the ranks diverge, go on
     in lockstep and keep what some skipped gathered), the root's experts when the engine is built. (bf16: the
     ``stage3-found`` and ``stage3-root-experts`` cells below.)"""
     results = ranks.run(world_size, _train, grads=True, model=model, safe=True, world_size=world_size, stage=3,
@@ -579,6 +582,18 @@ def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(
     # ``tower-reads-foreign``: what the tower reads of ``inp`` from outside it stays gathered with it.
     kept_names = {"moe-root": "experts", "tower-reads-foreign": "inp, tower"}.get(model, "tower")
     assert f"optional module(s) {kept_names} kept" in kept[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_safe_zero3_keeps_a_persistent_weight_read_in_a_module_gathered_whole(ranks, world_size):
+    """``tower-whole-reads`` at DeepSpeed's default persistence (every parameter of this model persistent): the block's
+    weight the text-only ranks read while they ran it whole stays gathered on them when the lockstep gathers the block
+    again for the image ranks (it is not registered for a fetch: DeepSpeed never registers a persistent one)."""
+    results = ranks.run(world_size, _train, grads=True, model="tower-whole-reads", safe=True, world_size=world_size,
+                        stage=3, timeout=90)
+    expected = reference("tower-whole-reads", world_size)
+    for r in results:
+        assert_ddp_exact(r, expected)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

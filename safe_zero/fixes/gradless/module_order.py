@@ -195,9 +195,11 @@ class AgreesBeforeReadingAParameter:
     @overrides
     def __getitem__(self, key: str) -> Any:
         param = dict.__getitem__(self, key)  # type: ignore[arg-type]
-        if (param is not None and self._in_forward  # type: ignore[attr-defined]
-                and getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE):
-            self._safe_zero_coordinator.agree_on_read(self._parent_module, param)  # type: ignore[attr-defined]
+        coordinator = self._safe_zero_coordinator
+        status = getattr(param, "ds_status", None)
+        if self._in_forward and (status == ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+                                 or (coordinator._safe_zero_inside and status == ZeroParamStatus.AVAILABLE)):
+            coordinator.agree_on_read(self._parent_module, param)  # type: ignore[attr-defined]
         return super().__getitem__(key)  # type: ignore[misc]
 
 
@@ -387,18 +389,27 @@ class AgreesOnModulesWhileRecording:
         super().fetch_sub_module(current_submodule, forward)
 
     def agree_on_read(self, owner: nn.Module, param: nn.Parameter) -> None:
-        """A recording forward reads ``param`` of ``owner`` while it is not gathered, outside ``owner``'s entry:
-        DeepSpeed is about to gather it on this rank alone. The ranks agree on it first, as on an entry."""
+        """A recording forward reads ``param`` of ``owner`` outside ``owner``'s entry. Not gathered: DeepSpeed is about
+        to gather it on this rank alone, so the ranks agree on it first, as on an entry. Gathered only because the
+        lockstep gathered ``owner`` whole for this rank: registered with the module running, as DeepSpeed's access
+        registers what it gathers where the ranks agree."""
         if not self._safe_zero_recording_now or param.ds_numel == 0 or not hasattr(owner, "ds_id"):
             return
+        stack = parameter_offload.FWD_MODULE_STACK
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            # Before ``owner`` ran (minicpmv4_6's text model, gathered whole while the image rank is in the tower,
+            # reads ``conv1d.weight`` without entering ``conv1d``); else DeepSpeed's access would not gather it either.
+            if owner.ds_id not in self._safe_zero_inside or param.ds_persist or owner in stack:
+                return
+        else:
+            self._safe_zero_group = param.ds_process_group
+            self._agree_on_module(read_of(owner.ds_id), [param])
         self._safe_zero_read.add(owner.ds_id)
-        self._safe_zero_group = param.ds_process_group
-        self._agree_on_module(read_of(owner.ds_id), [param])
-        if param.ds_status == ZeroParamStatus.AVAILABLE and parameter_offload.FWD_MODULE_STACK:
+        if param.ds_status == ZeroParamStatus.AVAILABLE and stack:
             # Gathered by the lockstep, so DeepSpeed's access will not register it with the module running, as it does
             # with what it gathers itself (that module's backward gathers it again): registered here instead, and
             # taken back at the end of the forward where not every rank read it (its module is kept gathered then).
-            reader = parameter_offload.FWD_MODULE_STACK[-1]
+            reader = stack[-1]
             register_external_parameter(reader, param)
             self._safe_zero_served_reads = [*self._safe_zero_served_reads, (reader, owner, param)]
 
@@ -475,6 +486,9 @@ class AgreesOnModulesWhileRecording:
         idle = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules]
         if idle:
             idle[0].partition(param_list=idle)
+        # A persistent one this rank held stays held: its forward may have read it from outside its module, unregistered
+        # (DeepSpeed registers what it gathers), so no fetch would gather it again for the backward.
+        held = {p for p in idle if p.ds_persist}
         params = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         counts = self._all_ints(len(params))
         if len(set(counts)) > 1:  # a parameter shared with a module some rank is running: not gathered alike
@@ -485,8 +499,9 @@ class AgreesOnModulesWhileRecording:
                 "module around it that some ranks skip); their parameters then stay gathered on every rank.")
         if params:
             params[0].all_gather(param_list=params)
-            if not entering:
-                params[0].partition(param_list=params)
+            released = [p for p in params if p not in held] if not entering else []
+            if released:
+                released[0].partition(param_list=released)
 
     def _settle_divergence(self) -> None:
         """This rank's forward is over after a divergence: serve the others' gathers until every forward is over,
