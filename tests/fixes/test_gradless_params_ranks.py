@@ -568,9 +568,9 @@ def test_safe_zero3_is_ddp_exact_with_no_configuration_where_ranks_skip_modules(
     module every rank runs; ``tower-functional``: every rank reads a weight without entering its module, the text-only
     ranks while the others are in the tower (served by the lockstep, and gathered again for the backward);
     ``tower-whole-reads``: the text-only ranks run a block gathered whole for them while the others are in the tower,
-    and it reads its child's weight without entering the child. The towers are found in the first forward (the ranks diverge, go on
-    in lockstep and keep what some skipped gathered), the root's experts when the engine is built. (bf16: the
-    ``stage3-found`` and ``stage3-root-experts`` cells below.)"""
+    and it reads its child's weight without entering the child. The towers are found in the first forward (the ranks
+    diverge, go on in lockstep and keep what some skipped gathered), the root's experts when the engine is built.
+    (bf16: the ``stage3-found`` and ``stage3-root-experts`` cells below.)"""
     results = ranks.run(world_size, _train, grads=True, model=model, safe=True, world_size=world_size, stage=3,
                         timeout=90, **GATHERING)
     expected = reference(model, world_size)
