@@ -79,6 +79,20 @@ def made_current(session: Session) -> ContextManager[Any]:
     return swapped(sys.modules[__name__], "_current", session)
 
 
+class State:
+    """Everything safe_zero keeps on one DeepSpeed object it extends, as ``obj._safe_zero``: the session it was built
+    under, and one part per fix that keeps state there. Each part's type lives in the fix's module, which alone reads
+    and writes it (this module sits below the fixes, so the parts are not typed here); ``None`` where that fix keeps
+    nothing on this object."""
+
+    __slots__ = ("session", "module_order")
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        #: ``fixes.gradless.module_order.ModuleOrder``: the ZeRO-3 coordinator's module-order protocol.
+        self.module_order: Any = None
+
+
 class CapturesSession:
     """First base of every safe class: binds the current session before DeepSpeed's constructor runs.
 
@@ -88,17 +102,22 @@ class CapturesSession:
 
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        session_for(self)
+        state_of(self)
         super().__init__(*args, **kwargs)
 
 
-def session_for(wrapper: Any) -> Session:
-    """The session ``wrapper`` belongs to, captured on first use.
+def state_of(wrapper: Any) -> State:
+    """``wrapper``'s :class:`State`, made on first use with the current session.
 
     A wrapper built outside ``safe_zero.initialize`` (directly, in tests) gets default options.
     """
-    session = getattr(wrapper, "_safe_zero_session", None)
-    if session is None:
-        session = _current or Session()
-        object.__setattr__(wrapper, "_safe_zero_session", session)
-    return session
+    state = getattr(wrapper, "_safe_zero", None)
+    if state is None:
+        state = State(_current or Session())
+        object.__setattr__(wrapper, "_safe_zero", state)
+    return state
+
+
+def session_for(wrapper: Any) -> Session:
+    """The session ``wrapper`` belongs to, captured on first use."""
+    return state_of(wrapper).session
