@@ -4,8 +4,9 @@ blocks gathered whole (docs/rank_agreement.md)."""
 from __future__ import annotations
 
 import datetime
+import enum
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -26,7 +27,7 @@ from safe_zero.fixes.gradless.planner import Planner
 from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import zero_stage
 from safe_zero.patching import calls, overrides, pass_through, resume
-from safe_zero.session import Session, session_for
+from safe_zero.session import Session, State, session_for, state_of
 
 
 class ModuleClock:
@@ -176,11 +177,119 @@ def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
             'block, gather the block whole instead: "safe_zero": {"leaf_modules": {"add": ["<block class>"]}}.')
 
 
-#: The flags of a module in ``_entered_by_rank``'s exchange.
+#: The flags of a module in the end-of-forward exchange (:meth:`AgreesOnModulesWhileRecording._entered_by_rank`).
 ENTERED, READ = 1, 2
 #: Held in a kept parameter's ``ds_active_sub_modules`` while a module that shares it is released: DeepSpeed releases
 #: only parameters no module is using.
 _KEPT = -1
+#: Coordinators built in this process: the same number on every rank, so it names an engine in the store.
+_BUILT = itertools.count()
+
+
+class Phase(enum.Enum):
+    """Where the module-order protocol stands in the running forward (:attr:`ModuleOrder.phase`)."""
+
+    #: The fix is off: the coordinator is DeepSpeed's.
+    OFF = "off"
+    #: No order to record or follow until the next forward (the trace was left or invalidated in this one).
+    UNRECORDED = "unrecorded"
+    #: DeepSpeed records this forward's trace: the ranks agree on each module entry and read before its gather.
+    RECORDING = "recording"
+    #: Recording, and the ranks' modules differed: they go on in lockstep until the root's release settles it.
+    LOCKSTEP = "lockstep"
+    #: The trace is complete and this forward has followed it so far: nothing to agree on.
+    FOLLOWING = "following"
+    #: This forward just left the recorded order: the module entry it left at agrees on it through the store.
+    LEFT = "left"
+
+
+#: The phases in which module entries and reads are agreed on.
+AGREEING = (Phase.RECORDING, Phase.LOCKSTEP)
+
+
+class Ranks(Protocol):
+    """What the protocol needs from the ranks: :class:`ProcessGroupRanks` on DeepSpeed's groups; the replays'
+    (``tests/fixes/test_module_order_replay.py``) meet the other ranks' threads in one process."""
+
+    def world_size(self, group: Any) -> int:
+        """The ranks in ``group``."""
+
+    def all_gather(self, group: Any, row: list[int], bits: int = 64) -> list[list[int]]:
+        """Every rank's ``row`` (the same length everywhere, each value fitting in ``bits``), in rank order."""
+
+    def meet(self, key: str, value: int, timeout: float) -> list[int] | None:
+        """Every rank's ``value`` posted under ``key``, in rank order, without a collective (the process group's
+        store); ``None`` if some rank did not post within ``timeout`` seconds."""
+
+
+class ProcessGroupRanks:
+    """:class:`Ranks` on DeepSpeed's process groups and the default store."""
+
+    @staticmethod
+    def world_size(group: Any) -> int:
+        return dist.get_world_size(group=group)
+
+    @staticmethod
+    def all_gather(group: Any, row: list[int], bits: int = 64) -> list[list[int]]:
+        dtype = torch.uint8 if bits == 8 else torch.int64
+        mine = torch.tensor(row, dtype=dtype, device=get_accelerator().current_device_name())
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
+        dist.all_gather(everyone, mine, group=group)
+        return [t.tolist() for t in everyone]
+
+    @staticmethod
+    def meet(key: str, value: int, timeout: float) -> list[int] | None:
+        store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
+        if not torch_dist.is_initialized() or torch_dist.get_world_size() < 2 or store_of is None:
+            return [value]
+        store, rank, world = store_of(), torch_dist.get_rank(), torch_dist.get_world_size()
+        store.set(f"{key}/{rank}", str(value))
+        try:
+            store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
+        except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
+            return None
+        return [int(store.get(f"{key}/{r}")) for r in range(world)]
+
+
+class ModuleOrder:
+    """The module-order protocol's state on one ZeRO-3 coordinator (``coordinator._safe_zero.module_order``)."""
+
+    def __init__(self, on: bool, ranks: Ranks) -> None:
+        self.on = on
+        self.ranks = ranks
+        self.phase = Phase.UNRECORDED if on else Phase.OFF
+        #: Names the engine in the store (the same count on every rank), and the forwards begun (``reset_step``).
+        self.engine_id = next(_BUILT)
+        self.forwards = 0
+        # The model, from know_model: names by ds_id (errors), (name, module) by ds_id, named_modules position by
+        # ds_id (the lockstep's order), the root's ds_id, the ModuleList/ModuleDict names (experts).
+        self.names: dict[int, str] = {}
+        self.modules: dict[int, tuple[str, nn.Module]] = {}
+        self.order: dict[int, int] = {}
+        self.root_id: int | None = None
+        self.alternatives: set[str] = set()
+        #: DeepSpeed's list of persistent parameters, which kept ones join.
+        self.persistent: list[nn.Parameter] = []
+        #: Whether modules some ranks skip are found (``"optional_modules"`` not ``false``).
+        self.find_skipped = False
+        #: The model's parameter dictionaries (``ZeROOrderedDict``), which watch reads in recording forwards.
+        self.dicts: list[Any] = []
+        #: Kept gathered: ``id()`` of each module in a kept one, and the kept parameters (an ordered set).
+        self.kept_modules: frozenset[int] | set[int] = frozenset()
+        self.kept: dict[nn.Parameter, None] = {}
+        #: The module ids of the trace being recorded, and of the last one recorded.
+        self.recording: list[int] = []
+        self.recorded: list[int] = []
+        #: Modules whose parameters this recording forward read from outside them.
+        self.read: set[int] = set()
+        #: The data-parallel group of the last module agreed on.
+        self.group: Any = None
+        #: In a lockstep: the modules this rank entered (or read) gathered whole, and the ``ds_id`` of every module
+        #: inside them.
+        self.wholes: list[nn.Module] = []
+        self.inside: frozenset[int] | set[int] = frozenset()
+        #: Reads the lockstep served this forward: (module running, module read, parameter).
+        self.served_reads: list[tuple[nn.Module, nn.Module, nn.Parameter]] = []
 
 
 class AgreesBeforeReadingAParameter:
@@ -188,17 +297,19 @@ class AgreesBeforeReadingAParameter:
     forward while it is not gathered, outside its module's entry (Qwen2-VL's ``self.proj.weight.dtype`` before calling
     ``self.proj``), is one DeepSpeed gathers on the reading rank alone. While the ranks record the module order the
     coordinator agrees on it first (:meth:`AgreesOnModulesWhileRecording.agree_on_read`). The model's dictionaries
-    take this class for recording forwards only (:func:`_watch_reads`): every other read costs nothing."""
+    take this class for recording forwards only (:func:`_watch_reads`): every other read costs nothing.
+    ``_safe_zero``: the coordinator that agrees."""
 
-    _safe_zero_coordinator: AgreesOnModulesWhileRecording
+    _safe_zero: AgreesOnModulesWhileRecording
 
     @overrides
     def __getitem__(self, key: str) -> Any:
         param = dict.__getitem__(self, key)  # type: ignore[arg-type]
-        coordinator = self._safe_zero_coordinator
+        coordinator = self._safe_zero
         status = getattr(param, "ds_status", None)
         if self._in_forward and (status == ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
-                                 or (coordinator._safe_zero_inside and status == ZeroParamStatus.AVAILABLE)):
+                                 or (coordinator._safe_zero.module_order.inside
+                                     and status == ZeroParamStatus.AVAILABLE)):
             coordinator.agree_on_read(self._parent_module, param)  # type: ignore[attr-defined]
         return super().__getitem__(key)  # type: ignore[misc]
 
@@ -214,7 +325,7 @@ def _watch_reads(dicts: list[Any], coordinator: AgreesOnModulesWhileRecording | 
     if dicts and type(dicts[0]) is not klass:
         for params in dicts:
             params.__class__ = klass
-            params._safe_zero_coordinator = coordinator
+            params._safe_zero = coordinator
 
 
 @calls("is_record_trace", "is_complete_trace", "is_invalid_trace")
@@ -237,75 +348,53 @@ class AgreesOnModulesWhileRecording:
       (DeepSpeed records the order again); otherwise it raises ``RankDivergenceError`` naming the module the
       others ran, instead of hanging in its next gather.
     - ``module_clock`` (:class:`ModuleClock`) counts the modules entered, for the ZeRO-3 optimizer's walk.
+
+    Its state is one :class:`ModuleOrder` (``self._safe_zero.module_order``), whose :class:`Phase` says where the
+    running forward stands; every collective and store wait of the protocol goes through its :class:`Ranks` (the
+    replays in ``tests/fixes/test_module_order_replay.py`` set theirs on a coordinator built over a stand-in for
+    DeepSpeed's).
     """
 
-    _safe_zero_names: dict[int, str] = {}
-    _safe_zero_kept_modules: frozenset[int] | set[int] = frozenset()
-    _safe_zero_kept_params: list[nn.Parameter] = []
-    _safe_zero_kept_set: frozenset[nn.Parameter] = frozenset()
-    #: The model's parameter dictionaries (DeepSpeed's ``ZeROOrderedDict``), which watch reads in recording forwards.
-    _safe_zero_dicts: list[Any] = []
-    _safe_zero_find_skipped = False
-    #: In a lockstep: the modules this rank entered (or read) gathered whole, and the ``ds_id`` of every module
-    #: inside them.
-    _safe_zero_wholes: list[nn.Module] = []
-    #: Reads the lockstep served this forward: (module running, module read, parameter).
-    _safe_zero_served_reads: list[tuple[nn.Module, nn.Module, nn.Parameter]] = []
-    _safe_zero_inside: frozenset[int] | set[int] = frozenset()
-    #: Coordinators built in this process: the same number on every rank, so it names this engine in the store.
-    _safe_zero_built = itertools.count()
-    # DeepSpeed's trace mode changes only in reset_step and _invalidate_trace: mirrored there, as flags a module entry
-    # reads, instead of asking DeepSpeed at each one (issue 26).
-    #: The fix is on and DeepSpeed records this forward's trace.
-    _safe_zero_recording_now = False
-    #: The recorded order was just left while followed: the module entry it was left at agrees on it with the ranks.
-    _safe_zero_left = False
-    #: The recorded module order was followed up to the last module entered.
-    _safe_zero_followed = False
+    _safe_zero: State
 
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._safe_zero_on = session_for(self).uses(FIX)  # asked per module entry
+        state = state_of(self)
+        on = state.session.uses(FIX)
+        state.module_order = ModuleOrder(on, ProcessGroupRanks())
         super().__init__(*args, **kwargs)
-        self._safe_zero_engine_id = next(AgreesOnModulesWhileRecording._safe_zero_built)
-        self._safe_zero_forwards = 0  # forwards begun (reset_step), the same count on every rank
         self.module_clock = ModuleClock(lambda: not self.is_invalid_trace())
-        self._safe_zero_recorded: list[int] = []  # the module ids of the trace being or last recorded
-        self._safe_zero_recording: list[int] = []
-        self._safe_zero_read: set[int] = set()  # modules whose parameters this recording forward read from outside
-        self._safe_zero_group: Any = None  # the data-parallel group of the last module agreed on
-        self._safe_zero_diverged = False  # this forward's ranks went on in lockstep
         # DeepSpeed calls these per module entry: with nothing kept gathered and no divergence the overrides have
         # nothing to do, and with the fix off neither has the fetch (the module clock then has no follower).
-        idle = ("trace_prologue", "release_sub_module") + (() if self._safe_zero_on else ("fetch_sub_module",))
+        idle = ("trace_prologue", "release_sub_module") + (() if on else ("fetch_sub_module",))
         for name in idle:
             pass_through(self, name, AgreesOnModulesWhileRecording)
 
     def know_model(self, root: nn.Module, persistent: list[nn.Parameter], find_skipped: bool) -> None:
         """The model's modules (names for errors, ``named_modules`` order for the lockstep), DeepSpeed's list of
         persistent parameters that kept ones join, and whether to find modules some ranks skip."""
+        order = self._safe_zero.module_order
         named = [(name, m) for name, m in root.named_modules() if hasattr(m, "ds_id")]
-        self._safe_zero_names = {m.ds_id: name or type(root).__name__ for name, m in named}
-        self._safe_zero_modules = {m.ds_id: (name, m) for name, m in named}
-        self._safe_zero_order = {m.ds_id: index for index, (_, m) in enumerate(named)}
-        self._safe_zero_root_id = root.ds_id
-        self._safe_zero_alternatives = {name for name, m in named if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
-        self._safe_zero_persistent = persistent
-        self._safe_zero_find_skipped = find_skipped
-        self._safe_zero_dicts = [m._parameters for _, m in named if type(m._parameters) is ZeROOrderedDict]
+        order.names = {m.ds_id: name or type(root).__name__ for name, m in named}
+        order.modules = {m.ds_id: (name, m) for name, m in named}
+        order.order = {m.ds_id: index for index, (_, m) in enumerate(named)}
+        order.root_id = root.ds_id
+        order.alternatives = {name for name, m in named if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+        order.persistent = persistent
+        order.find_skipped = find_skipped
+        order.dicts = [m._parameters for _, m in named if type(m._parameters) is ZeROOrderedDict]
 
     def keep_gathered(self, modules: dict[str, nn.Module], why: str, gather_now: bool = False) -> None:
         """Leave ``modules`` (by name) out of the trace, fetch and release, and keep their parameters gathered:
         from the next forward on, or at once (``gather_now``, on every rank alike)."""
+        order = self._safe_zero.module_order
         params = list(dict.fromkeys(p for outer in modules.values() for p in outer.parameters()))
         for param in params:
             if not param.ds_persist:
                 param.ds_persist = True
-                self._safe_zero_persistent.append(param)
-        self._safe_zero_kept_modules = {*self._safe_zero_kept_modules,
-                                        *(id(m) for outer in modules.values() for m in outer.modules())}
-        self._safe_zero_kept_params = list(dict.fromkeys([*self._safe_zero_kept_params, *params]))
-        self._safe_zero_kept_set = frozenset(self._safe_zero_kept_params)
+                order.persistent.append(param)
+        order.kept_modules = {*order.kept_modules, *(id(m) for outer in modules.values() for m in outer.modules())}
+        order.kept.update(dict.fromkeys(params))
         for name in ("trace_prologue", "release_sub_module"):
             resume(self, name, AgreesOnModulesWhileRecording)
         if gather_now:
@@ -315,18 +404,19 @@ class AgreesOnModulesWhileRecording:
 
     @overrides
     def reset_step(self) -> None:
-        if self.is_record_trace() and self._safe_zero_recording:
-            self._safe_zero_recorded = self._safe_zero_recording
+        order = self._safe_zero.module_order
+        if self.is_record_trace() and order.recording:
+            order.recorded = order.recording
         super().reset_step()
-        self._safe_zero_recording = []
-        self._safe_zero_forwards += 1
-        self._safe_zero_followed = self._safe_zero_on and self.is_complete_trace()
-        self._safe_zero_recording_now = self._safe_zero_on and self.is_record_trace()
-        self._safe_zero_left = False
-        self._safe_zero_read = set()
-        _watch_reads(self._safe_zero_dicts, self if self._safe_zero_recording_now else None)
+        order.recording = []
+        order.forwards += 1
+        if order.on:
+            order.phase = (Phase.RECORDING if self.is_record_trace() else
+                           Phase.FOLLOWING if self.is_complete_trace() else Phase.UNRECORDED)
+        order.read = set()
+        _watch_reads(order.dicts, self if order.phase is Phase.RECORDING else None)
         self.module_clock.restart()
-        released = [p for p in self._safe_zero_kept_params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        released = [p for p in order.kept if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         if released:  # released on every rank alike: by an optimizer step, a checkpoint or empty_partition_cache
             released[0].all_gather(param_list=released)
 
@@ -334,41 +424,40 @@ class AgreesOnModulesWhileRecording:
     def _invalidate_trace(self) -> None:
         # trace_prologue found the module entered off the recorded order (or hooks were registered again)
         super()._invalidate_trace()
-        self._safe_zero_recording_now = False
-        self._safe_zero_left = self._safe_zero_followed
+        order = self._safe_zero.module_order
+        if order.phase is Phase.FOLLOWING:
+            order.phase = Phase.LEFT
+        elif order.phase is not Phase.OFF and order.phase is not Phase.LOCKSTEP:  # the root's release settles that
+            order.phase = Phase.UNRECORDED
 
     @overrides
     def trace_prologue(self, sub_module: nn.Module) -> None:
-        if id(sub_module) not in self._safe_zero_kept_modules:
+        if id(sub_module) not in self._safe_zero.module_order.kept_modules:
             super().trace_prologue(sub_module)
 
     def _agree_on_leaving_the_trace(self, module: nn.Module, position: int) -> None:
-        store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
-        if not torch_dist.is_initialized() or torch_dist.get_world_size() < 2 or store_of is None:
-            return
-        store, rank, world = store_of(), torch_dist.get_rank(), torch_dist.get_world_size()
-        prefix = f"safe_zero/module_order/{self._safe_zero_engine_id}/{self._safe_zero_forwards}/{position}/"
-        store.set(f"{prefix}{rank}", str(module.ds_id))
+        order = self._safe_zero.module_order
         timeout = session_for(self).options.module_order_timeout
-        try:
-            store.wait([f"{prefix}{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
-        except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
-            expected = self._safe_zero_recorded[position] if position < len(self._safe_zero_recorded) else None
-            raise RankDivergenceError(_left_alone_message(self._safe_zero_names, module, expected, timeout)) from None
-        ids = [int(store.get(f"{prefix}{r}")) for r in range(world)]
+        ids = order.ranks.meet(f"safe_zero/module_order/{order.engine_id}/{order.forwards}/{position}", module.ds_id,
+                               timeout)
+        if ids is None:
+            expected = order.recorded[position] if position < len(order.recorded) else None
+            raise RankDivergenceError(_left_alone_message(order.names, module, expected, timeout))
         if len(set(ids)) > 1:
-            raise RankDivergenceError(_divergence_message(self._safe_zero_names, ids))
+            raise RankDivergenceError(_divergence_message(order.names, ids))
 
     @overrides
     def record_module(self, sub_module: nn.Module) -> None:
-        if id(sub_module) not in self._safe_zero_kept_modules:
+        order = self._safe_zero.module_order
+        if id(sub_module) not in order.kept_modules:
             super().record_module(sub_module)
-            self._safe_zero_recording.append(sub_module.ds_id)
+            order.recording.append(sub_module.ds_id)
 
     @overrides
     def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
         # DeepSpeed calls trace_prologue, then this, at each module entry: one override carries the entry.
-        if id(current_submodule) in self._safe_zero_kept_modules:
+        order = self._safe_zero.module_order
+        if id(current_submodule) in order.kept_modules:
             return
         # ``self.module_clock.enter(task)``, inlined: it runs per module entry.
         clock = self.module_clock
@@ -376,15 +465,16 @@ class AgreesOnModulesWhileRecording:
         if planner is not None and task != -1 and (position >= planner.wake_at or task != planner.wake_task):
             clock.at_boundary(position, task)
         clock.position = position + 1
-        if self._safe_zero_left:  # trace_prologue just left the recorded order
-            self._safe_zero_left = self._safe_zero_followed = False
+        phase = order.phase
+        if phase is Phase.LEFT:  # trace_prologue just left the recorded order
+            order.phase = Phase.UNRECORDED
             self._agree_on_leaving_the_trace(current_submodule, position)
             clock.left_order()
-        if forward and self._safe_zero_recording_now:
+        elif forward and phase in AGREEING:
             # Modules whose parameters are all zero-element gather nothing: no agreement either.
             params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
             if params:
-                self._safe_zero_group = params[0].ds_process_group
+                order.group = params[0].ds_process_group
                 self._agree_on_module(current_submodule.ds_id, params)
         super().fetch_sub_module(current_submodule, forward)
 
@@ -393,33 +483,35 @@ class AgreesOnModulesWhileRecording:
         to gather it on this rank alone, so the ranks agree on it first, as on an entry. Gathered only because the
         lockstep gathered ``owner`` whole for this rank: registered with the module running, as DeepSpeed's access
         registers what it gathers where the ranks agree."""
-        if not self._safe_zero_recording_now or param.ds_numel == 0 or not hasattr(owner, "ds_id"):
+        order = self._safe_zero.module_order
+        if order.phase not in AGREEING or param.ds_numel == 0 or not hasattr(owner, "ds_id"):
             return
         stack = parameter_offload.FWD_MODULE_STACK
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             # Before ``owner`` ran (minicpmv4_6's text model, gathered whole while the image rank is in the tower,
             # reads ``conv1d.weight`` without entering ``conv1d``); else DeepSpeed's access would not gather it either.
-            if owner.ds_id not in self._safe_zero_inside or param.ds_persist or owner in stack:
+            if owner.ds_id not in order.inside or param.ds_persist or owner in stack:
                 return
         else:
-            self._safe_zero_group = param.ds_process_group
+            order.group = param.ds_process_group
             self._agree_on_module(read_of(owner.ds_id), [param])
-        self._safe_zero_read.add(owner.ds_id)
+        order.read.add(owner.ds_id)
         if param.ds_status == ZeroParamStatus.AVAILABLE and stack:
             # Gathered by the lockstep, so DeepSpeed's access will not register it with the module running, as it does
             # with what it gathers itself (that module's backward gathers it again): registered here instead, and
             # taken back at the end of the forward where not every rank read it (its module is kept gathered then).
             reader = stack[-1]
             register_external_parameter(reader, param)
-            self._safe_zero_served_reads = [*self._safe_zero_served_reads, (reader, owner, param)]
+            order.served_reads.append((reader, owner, param))
 
     @overrides
     def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
-        if id(submodule) in self._safe_zero_kept_modules:
+        order = self._safe_zero.module_order
+        if id(submodule) in order.kept_modules:
             return
         # While DeepSpeed records it releases persistent parameters too: a kept one that this module shares (a weight
         # tied to a module some ranks skip) stays gathered, or the kept module would read it released on its ranks.
-        kept = self._safe_zero_kept_set
+        kept = order.kept
         shared = [p for p in _module_params(submodule) if p.ds_persist and p in kept] if kept else []
         for param in shared:
             param.ds_active_sub_modules.add(_KEPT)
@@ -428,50 +520,46 @@ class AgreesOnModulesWhileRecording:
         finally:
             for param in shared:
                 param.ds_active_sub_modules.discard(_KEPT)
-        if forward and submodule in self._safe_zero_wholes:
+        if forward and submodule in order.wholes:
             self._leave_whole([submodule])
-        if forward and self._safe_zero_diverged and submodule.ds_id == self._safe_zero_root_id:
+        if forward and order.phase is Phase.LOCKSTEP and submodule.ds_id == order.root_id:
             self._settle_divergence()
 
     def _all_ints(self, value: int) -> list[int]:
         """Every rank's ``value``, in rank order (a collective)."""
-        group = self._safe_zero_group
-        mine = torch.tensor([value], dtype=torch.int64, device=get_accelerator().current_device_name())
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
-        dist.all_gather(everyone, mine, group=group)
-        return [int(t.item()) for t in everyone]
+        order = self._safe_zero.module_order
+        return [row[0] for row in order.ranks.all_gather(order.group, [value])]
 
     def _agree_on_module(self, announcement: int, params: Sequence[nn.Parameter] = ()) -> None:
         """Before this rank gathers ``params`` of the module announced (an entry, or ``read_of`` one; ``END``: after
         its forward), in a recording forward."""
+        order = self._safe_zero.module_order
         module_id = module_of(announcement)
-        if dist.get_world_size(group=self._safe_zero_group) < 2:
+        if order.ranks.world_size(order.group) < 2:
             return
-        if module_id in self._safe_zero_inside and all(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in params):
+        if module_id in order.inside and all(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in params):
             return  # gathered whole for this rank already
-        order = self._safe_zero_order
-        while (chosen := module_to_gather(announced := self._all_ints(announcement), order)) is not None:
+        while (chosen := module_to_gather(announced := self._all_ints(announcement), order.order)) is not None:
             # A backward's gathers follow autograd, not this rule: a divergence there (a recomputed forward) stops.
-            if not self._safe_zero_find_skipped or torch._C._current_graph_task_id() != -1:
-                raise RankDivergenceError(_divergence_message(self._safe_zero_names, list(map(module_of, announced))))
-            self._safe_zero_diverged = True
+            if not order.find_skipped or torch._C._current_graph_task_id() != -1:
+                raise RankDivergenceError(_divergence_message(order.names, list(map(module_of, announced))))
+            order.phase = Phase.LOCKSTEP
             resume(self, "release_sub_module", AgreesOnModulesWhileRecording)  # the root's release settles it
             # The whole module, its children included: a forward may read a child's weight before calling it, and
             # the ranks entering it gather nothing more inside.
-            name, module = self._safe_zero_modules[chosen]
+            name, module = order.modules[chosen]
             self._gather_alike([p for p in module.parameters() if p.ds_numel > 0], chosen == module_id, name)
             if chosen == module_id:
-                self._safe_zero_wholes = [*self._safe_zero_wholes, module]
-                self._safe_zero_inside = {*self._safe_zero_inside,
-                                          *(m.ds_id for m in module.modules() if hasattr(m, "ds_id"))}
+                order.wholes.append(module)
+                order.inside = {*order.inside, *(m.ds_id for m in module.modules() if hasattr(m, "ds_id"))}
                 return
 
     def _leave_whole(self, modules: list[nn.Module]) -> None:
         """Out of ``modules`` gathered whole for this rank: what their children's releases left gathered goes too,
         so every rank holds the same again."""
-        self._safe_zero_wholes = [m for m in self._safe_zero_wholes if m not in modules]
-        self._safe_zero_inside = {m.ds_id for whole in self._safe_zero_wholes for m in whole.modules()
-                                  if hasattr(m, "ds_id")}
+        order = self._safe_zero.module_order
+        order.wholes = [m for m in order.wholes if m not in modules]
+        order.inside = {m.ds_id for whole in order.wholes for m in whole.modules() if hasattr(m, "ds_id")}
         idle = [p for module in modules for p in module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE
                 and not p.ds_active_sub_modules and not p.ds_persist]
         if idle:
@@ -486,8 +574,8 @@ class AgreesOnModulesWhileRecording:
         idle = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_active_sub_modules]
         if idle:
             idle[0].partition(param_list=idle)
-        # A persistent one this rank held stays held: its forward may have read it from outside its module, unregistered
-        # (DeepSpeed registers what it gathers), so no fetch would gather it again for the backward.
+        # A persistent one this rank held stays held: its forward may have read it from outside its module,
+        # unregistered (DeepSpeed registers what it gathers), so no fetch would gather it again for the backward.
         held = {p for p in idle if p.ds_persist}
         params = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         counts = self._all_ints(len(params))
@@ -506,21 +594,23 @@ class AgreesOnModulesWhileRecording:
     def _settle_divergence(self) -> None:
         """This rank's forward is over after a divergence: serve the others' gathers until every forward is over,
         then keep what some ranks skipped gathered and record the order again (on every rank alike)."""
+        order = self._safe_zero.module_order
         self._agree_on_module(END)
-        self._safe_zero_diverged = False
-        self._leave_whole(self._safe_zero_wholes)  # modules only read, never entered
-        if not self._safe_zero_kept_params:
+        order.phase = Phase.UNRECORDED
+        self._leave_whole(order.wholes)  # modules only read, never entered
+        if not order.kept:
             pass_through(self, "release_sub_module", AgreesOnModulesWhileRecording)
         entered, read = self._entered_by_rank()
-        skipped = skipped_modules(entered, self._safe_zero_alternatives, read)
+        skipped = skipped_modules(entered, order.alternatives, read)
         # A read some ranks made only keeps its module gathered (``skipped``): the reading module's fetch list is the
         # same on every rank again.
         everyone = set.intersection(*read)
-        for reader, owner, param in self._safe_zero_served_reads:
-            if self._safe_zero_modules[owner.ds_id][0] not in everyone:
+        for reader, owner, param in order.served_reads:
+            if order.modules[owner.ds_id][0] not in everyone:
                 unregister_external_parameter(reader, param)
-        self._safe_zero_served_reads = []
-        modules = {name: self._modules_by_name[name] for name in skipped}
+        order.served_reads = []
+        by_name = {name: m for name, m in order.modules.values()}
+        modules = {name: by_name[name] for name in skipped}
         if modules:
             self.keep_gathered(modules, "found: some ranks skipped them in a forward", gather_now=True)
         if not self.is_invalid_trace():
@@ -528,18 +618,14 @@ class AgreesOnModulesWhileRecording:
 
     def _entered_by_rank(self) -> tuple[list[set[str]], list[set[str]]]:
         """Per rank, the names of the modules this recording forward entered, and of those whose parameters it read
-        from outside (a collective of one byte per module)."""
-        order, group = self._safe_zero_order, self._safe_zero_group
-        device = get_accelerator().current_device_name()
-        mine = torch.zeros(len(order), dtype=torch.uint8, device=device)
-        mine[[order[i] for i in set(self._safe_zero_recording)]] = ENTERED
-        mine[[order[i] for i in self._safe_zero_read]] |= READ
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
-        dist.all_gather(everyone, mine, group=group)
-        names = [name for name, _ in self._safe_zero_modules.values()]
-        return ([{names[i] for i in (flags & ENTERED).nonzero().flatten().tolist()} for flags in everyone],
-                [{names[i] for i in (flags & READ).nonzero().flatten().tolist()} for flags in everyone])
-
-    @property
-    def _modules_by_name(self) -> dict[str, nn.Module]:
-        return {name: m for name, m in self._safe_zero_modules.values()}
+        from outside (a collective of one element per module)."""
+        order = self._safe_zero.module_order
+        mine = [0] * len(order.order)
+        for i in set(order.recording):
+            mine[order.order[i]] = ENTERED
+        for i in order.read:
+            mine[order.order[i]] |= READ
+        names = [name for name, _ in order.modules.values()]
+        everyone = order.ranks.all_gather(order.group, mine, bits=8)
+        return ([{names[i] for i, flags in enumerate(row) if flags & ENTERED} for row in everyone],
+                [{names[i] for i, flags in enumerate(row) if flags & READ} for row in everyone])
