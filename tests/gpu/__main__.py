@@ -21,7 +21,7 @@ NO_CUDA_EXIT = 2
 
 
 def report_path(arg: str | None, environ: dict) -> str:
-    """``--report``, else ``$OUT/gpu_check_report.json`` where ``$OUT`` is set, else ``.bench/gpu_check_report.json``."""
+    """``--report``, else ``$OUT/gpu_check_report.json`` where ``$OUT`` is set, else in ``.bench/``."""
     if arg:
         return os.path.abspath(arg)
     return os.path.join(os.path.abspath(environ.get("OUT") or os.path.join(ROOT, ".bench")), "gpu_check_report.json")

@@ -27,8 +27,9 @@ EMPTY_SHAPE = [0, 8]
 
 Record = Optional[dict]
 #: The DeepSpeed optimizer wrapper each grouped_mm route must reach for its leg to test what it names.
-ROUTE_WRAPPERS = {"zero2": "DeepSpeedZeroOptimizer", "bf16_optimizer": "BF16_Optimizer", "fused_stage0": "FP16_Optimizer",
-                  "zero3": "DeepSpeedZeroOptimizer_Stage3", "zero3_all_reduce": "DeepSpeedZeroOptimizer_Stage3"}
+ROUTE_WRAPPERS = {"zero2": "DeepSpeedZeroOptimizer", "bf16_optimizer": "BF16_Optimizer",
+                  "fused_stage0": "FP16_Optimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3",
+                  "zero3_all_reduce": "DeepSpeedZeroOptimizer_Stage3"}
 
 
 def trains(record: Record, steps: int = STEPS) -> tuple[bool, str]:
@@ -133,7 +134,8 @@ def _safe_route(route: str, safe: list, facts: dict) -> list[str]:
             why.append(f"rank {rank}: built {record.get('wrapper_mro', ['?'])[0]}, not {ROUTE_WRAPPERS[route]}")
         off = [o for o in _offsets(record) if o]
         if off or not record.get("calls"):
-            why.append(f"rank {rank}: grouped_mm operands off the grid {sorted(set(off))} (calls {record.get('calls')})")
+            why.append(f"rank {rank}: grouped_mm operands off the grid {sorted(set(off))} "
+                       f"(calls {record.get('calls')})")
         if record.get("standalone_error"):
             why.append(f"rank {rank}: grouped_mm on the engine's weight: {_short(record['standalone_error'])}")
         if record.get("shape") != EXPERT_SHAPE:

@@ -56,7 +56,8 @@ def jit_op():
 
     def build(op: str) -> None:
         if op not in failed:
-            code = ("from safe_zero.op_builds import check_op_build; from deepspeed.accelerator import get_accelerator; "
+            code = ("from safe_zero.op_builds import check_op_build; "
+                    "from deepspeed.accelerator import get_accelerator; "
                     f"check_op_build({OPS[op]!r}, say=print); get_accelerator().create_op_builder({OPS[op]!r}).load()")
             try:
                 done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -111,7 +111,8 @@ def resolve_kernel(kernel: str | None = None) -> Callable[..., torch.Tensor]:
     kernel = kernel or os.environ.get("SAFE_ZERO_GPU_KERNEL", "native")
     name, fn = grouped_mm_function()
     if fn is None:
-        raise RuntimeError(f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm")
+        raise RuntimeError(f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor "
+                           "torch._grouped_mm")
     return cuda_like(fn) if kernel == "cuda_like" else fn
 
 
@@ -196,7 +197,8 @@ CPU_STAND_IN_LR = 0.5
 
 
 def _cpu_fused_optimizer(model: nn.Module) -> Any:
-    """On the CPU accelerator (unit tests) DeepSpeed's FusedAdam cannot build: the tests' stand-in reaches FP16_Optimizer."""
+    """On the CPU accelerator (unit tests) DeepSpeed's FusedAdam cannot build: the tests' stand-in reaches
+    FP16_Optimizer."""
     from tests.models import cpu_fused_adam
 
     return cpu_fused_adam()(model.parameters(), lr=CPU_STAND_IN_LR)
@@ -237,7 +239,8 @@ def grouped_mm_kernel_probe(kernel: str | None = None) -> dict[str, Any]:
 
 
 def _standalone_grouped_mm(fn: Callable[..., torch.Tensor], weight: torch.Tensor) -> str | None:
-    """A grouped_mm forward and backward on ``weight`` as the engine holds it (detached: the engine's hooks stay out)."""
+    """A grouped_mm forward and backward on ``weight`` as the engine holds it (detached: the engine's hooks stay
+    out)."""
     e, t = GroupedExperts.EXPERTS, GroupedExperts.TOKENS
     offs = torch.arange(1, e + 1, device=weight.device, dtype=torch.int32) * t
     tokens = torch.randn(e * t, weight.shape[1], device=weight.device, dtype=weight.dtype, requires_grad=True)
@@ -447,7 +450,8 @@ def quantizer_leg(model: str, safe: bool, steps: int = STEPS) -> dict[str, Any]:
 
 
 def quantizer_kernel_leg() -> dict[str, Any]:
-    """DeepSpeed's CUDA quantizer kernel itself: stock on an empty partition, safe_zero's guard on it, and both on a sized one."""
+    """DeepSpeed's CUDA quantizer kernel itself: stock on an empty partition, safe_zero's guard on it, and both on a
+    sized one."""
     from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
     from safe_zero.fixes.zero3_zero_element_params import SafeCUDAQuantizer
@@ -603,7 +607,8 @@ def facts() -> dict[str, Any]:
 
 
 def _bf16_optimizer_reachable() -> bool:
-    # Early 0.18.x gave BFLOAT16 and DDP_BFLOAT16 one value: ZeRO-1 + bf16 + fp32 accumulation never built BF16_Optimizer.
+    # Early 0.18.x gave BFLOAT16 and DDP_BFLOAT16 one value: ZeRO-1 + bf16 + fp32 accumulation never built
+    # BF16_Optimizer.
     from deepspeed.runtime import constants
 
     return constants.BFLOAT16 != constants.DDP_BFLOAT16

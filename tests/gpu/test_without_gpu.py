@@ -116,8 +116,7 @@ FACTS = {"deepspeed": "0.19.8", "world_size": 2, "zero_element_groups_needed": F
 PROBE = {"function": "torch.nn.functional.grouped_mm", "device": "cuda:0", "misaligned_error": "expected data_ptr to "
          "be aligned to 16 bytes", "aligned_error": None, "checks_alignment": True}
 LOSSES = [0.3, 0.2, 0.1]
-WRAPPERS = {"zero2": "DeepSpeedZeroOptimizer", "bf16_optimizer": "BF16_Optimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3",
-            "zero3_all_reduce": "DeepSpeedZeroOptimizer_Stage3", "fused_stage0": "FP16_Optimizer"}
+WRAPPERS = claims.ROUTE_WRAPPERS
 
 
 def _stock_gmm(route: str, offset: int = 6, error: str | None = "RuntimeError: expected data_ptr to be aligned to 16 "
