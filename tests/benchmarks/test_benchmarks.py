@@ -5,6 +5,7 @@ statistics bracket a known gap, a run writes its section on top of RESULTS.md, a
 baselines train what safe_zero trains. The deterministic costs are asserted in ``test_costs.py``.
 """
 
+import importlib.util
 import random
 
 import pytest
@@ -15,6 +16,8 @@ from safe_zero.fixes import flat_buffer_autograd
 
 # `make bench` runs on the main leg's DeepSpeed only.
 pytestmark = pytest.mark.main_leg_only
+#: The intervals need scipy (the bench extra), which the floor leg does not install.
+needs_scipy = pytest.mark.skipif(importlib.util.find_spec("scipy") is None, reason="scipy: pip install '.[bench]'")
 
 
 def test_stepped_seconds_times_every_engine_each_round(ranks):
@@ -26,6 +29,7 @@ def test_stepped_seconds_times_every_engine_each_round(ranks):
         assert all(len(steps) == len(engines) and min(steps) > 0 for steps in rounds)
 
 
+@needs_scipy
 def test_make_bench_writes_a_section_on_top_of_results_md(tmp_path, monkeypatch):
     """``run.main`` at its smallest (the control model at ZeRO-2, one round a run): a section with the row, its
     no-agreement line and the import time goes on top, the raw rounds to the raw file, and the oldest section past
@@ -62,6 +66,7 @@ def _runs(draw: random.Random, runs: int, gap: float, shift: float = 0.0, rounds
     return out
 
 
+@needs_scipy
 def test_the_interval_of_ratio_minus_floor_brackets_a_known_gap_and_narrows_with_more_runs():
     """``run.gap``: the 95 % interval of ratio - floor (scipy's bootstrap over whole runs) holds the gap the rounds
     were drawn with, more runs narrow it, and runs whose buffers landed badly (all their rounds shifted) widen it."""
@@ -79,6 +84,7 @@ def test_the_interval_of_ratio_minus_floor_brackets_a_known_gap_and_narrows_with
     assert run.gap(_runs(draw, 2, 0.0), 2, 0)["interval"] is None  # too few runs to resample
 
 
+@needs_scipy
 def test_a_row_renders_its_line_and_each_extra_engines():
     """The rank-dependent MoE at ZeRO-2 also times stock touching the experts each rank skips: its line is safe_zero
     over that engine (engine 3), with the same floor."""
