@@ -37,6 +37,7 @@ from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 from safe_zero.alignment import round_up
 from safe_zero.errors import AlignmentError
 from safe_zero.patching import overrides
+from safe_zero.session import state_of
 
 ORDER_KEY = "safe_zero_flat_order"
 # ZeRO-1/2: per group, the parameter names in flat-buffer order.
@@ -96,6 +97,20 @@ def _unmappable(recorded: Any, mine: Any, why: str) -> AlignmentError:
         '"checkpoint": {"load_universal": true}, which maps every parameter by name.')
 
 
+class FlatOrder:
+    """:class:`RecordsFlatOrder`'s part of an optimizer's :class:`~safe_zero.session.State`
+    (``optimizer._safe_zero.flat_order``), read and written through that class's methods."""
+
+    __slots__ = ("orders", "groups")
+
+    def __init__(self) -> None:
+        #: Per flat group, the positions of its parameter group in flat order, where that is not the stock order.
+        self.orders: dict[int, list[int]] = {}
+        #: The parameter groups DeepSpeed handed over one by one before flattening them (:meth:`_next_flat_group`;
+        #: ``None`` where nothing counts them).
+        self.groups: int | None = None
+
+
 class RecordsFlatOrder:
     """Checkpoints carry the flat order; one written in another order (stock's, say) is laid out again on load.
 
@@ -106,11 +121,29 @@ class RecordsFlatOrder:
     #: Whether ``load_state_dict`` lays a checkpoint out again (ZeRO-1/2 does it in ``_load_legacy_checkpoint``).
     _SAFE_ZERO_RELAYOUT = True
 
+    def _layout(self) -> FlatOrder:
+        state = state_of(self)
+        if state.flat_order is None:
+            state.flat_order = FlatOrder()
+        return state.flat_order
+
+    def _next_flat_group(self) -> int:
+        """The index of the parameter group DeepSpeed is about to flatten, for a mixin of a method DeepSpeed calls
+        once per group, in order (ZeRO-1/2's round robin, ZeRO-3's sub-groups). Counted: a load checks that ZeRO-3
+        cut each group into one sub-group."""
+        layout = self._layout()
+        index = layout.groups or 0
+        layout.groups = index + 1
+        return index
+
     def _record_flat_order(self, group: int, order: list[int]) -> None:
-        self.__dict__.setdefault("_safe_zero_flat_order", {})[group] = list(order)
+        """Parameter group ``group`` is flattened in ``order`` (positions in the group), not in its own order."""
+        self._layout().orders[group] = list(order)
 
     def _flat_order(self) -> dict[int, list[int]] | None:
-        return self.__dict__.get("_safe_zero_flat_order") or None
+        """Per reordered group its flat order (what a checkpoint records); ``None`` where every group is in order."""
+        flat_order = state_of(self).flat_order
+        return (flat_order.orders or None) if flat_order is not None else None
 
     @overrides
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -164,7 +197,8 @@ class RecordsFlatOrder:
         ours = _orders_by_group(self._flat_order(), len(groups))
         partitioned = keys[0] == "single_partition_of_fp32_groups"
         ranks = _ranks(getattr(self, "partition_count", 1)) if partitioned else 1
-        one_sub_group_each = getattr(self, "_safe_zero_param_groups_seen", len(groups)) == len(groups)  # ZeRO-3
+        counted = self._layout().groups
+        one_sub_group_each = counted is None or counted == len(groups)  # ZeRO-3
         if theirs is None or not one_sub_group_each or saving_ranks != ranks or len(state[keys[0]]) != len(groups):
             raise _unmappable(state.get(ORDER_KEY), self._flat_order(),
                               "another world size, or a layout it does not know")

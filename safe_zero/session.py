@@ -85,12 +85,23 @@ class State:
     and writes it (this module sits below the fixes, so the parts are not typed here); ``None`` where that fix keeps
     nothing on this object."""
 
-    __slots__ = ("session", "module_order")
+    __slots__ = ("session", "module_order", "gradless", "flat_order", "grouped_mm", "zero_element", "coalesced_gather")
 
     def __init__(self, session: Session) -> None:
         self.session = session
         #: ``fixes.gradless.module_order.ModuleOrder``: the ZeRO-3 coordinator's module-order protocol.
         self.module_order: Any = None
+        #: ``fixes.gradless.adapter.Gradless``: a ZeRO-1/2/3 optimizer's planner, with what its hooks hand over to.
+        self.gradless: Any = None
+        #: ``checkpoint_layout.FlatOrder``: a flattening optimizer's flat order, which checkpoints record.
+        self.flat_order: Any = None
+        #: ``fixes.grouped_mm_alignment``: the ZeRO-3 coordinator's guarded weights, ``{module id: weights}``.
+        self.grouped_mm: Any = None
+        #: ``fixes.zero3_zero_element_params.ZeroElements``: the coordinator's per-module zero-element parameters, or
+        #: how ``safe_zero.Init`` adopts parameters.
+        self.zero_element: Any = None
+        #: ``fixes.coalesced_gather_wait``: whether ``safe_zero.Init`` reported its one-at-a-time gathers.
+        self.coalesced_gather = False
 
 
 class CapturesSession:

@@ -98,14 +98,13 @@ _TRAINABLE_TWINS: dict[type, type] = {}
 
 
 def _trainable_twin(quantizer_class: type) -> type:
-    if getattr(quantizer_class, "_safe_zero_twin_of", None) is not None:
+    if quantizer_class in _TRAINABLE_TWINS.values():  # already one
         return quantizer_class
     twin = _TRAINABLE_TWINS.get(quantizer_class)
     if twin is None:
         twin = type(quantizer_class.__name__, (quantizer_class,), {
             "__module__": __name__,
             "__doc__": f"{quantizer_class.__qualname__} whose is_trainable is True: see allow_trainer_fine_tuning.",
-            "_safe_zero_twin_of": quantizer_class,
             "is_trainable": property(lambda self: True),
         })
         _TRAINABLE_TWINS[quantizer_class] = twin

@@ -29,7 +29,7 @@ from packaging.specifiers import SpecifierSet
 
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides
-from safe_zero.session import session_for
+from safe_zero.session import session_for, state_of
 
 FIX = Fix(
     name="coalesced_gather_wait",
@@ -47,10 +47,10 @@ class WaitEveryCoalescedGather:
                                     quantize: bool = False) -> None:
         # resolves_data_dependency(): the accelerator skips the synchronize that would complete the rest.
         if len(param_list) > 1 and get_accelerator().resolves_data_dependency() and session_for(self).uses(FIX):
-            session = session_for(self)
-            if not getattr(self, "_safe_zero_gather_reported", False):
-                session.engaged(FIX, "blocking coalesced all-gathers completed one parameter at a time")
-                self._safe_zero_gather_reported = True
+            state = state_of(self)
+            if not state.coalesced_gather:  # told once per zero.Init
+                state.coalesced_gather = True
+                state.session.engaged(FIX, "blocking coalesced all-gathers completed one parameter at a time")
             for param in param_list:
                 super()._allgather_params_coalesced([param], hierarchy, quantize)
             return None

@@ -56,7 +56,7 @@ from safe_zero.checkpoint_layout import RecordsFlatOrder, RelaysByName
 from safe_zero.errors import AlignmentError
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides, pass_through, stock_class
-from safe_zero.session import session_for
+from safe_zero.session import State, session_for, state_of
 
 FIX = Fix(
     name="grouped_mm_alignment",
@@ -165,8 +165,7 @@ class AlignRoundRobinGroups(AlignFlatGroups, RelaysByName):
     @overrides
     def _round_robin_reorder(self, tensor_list: list[Any], num_partitions: int) -> tuple[list[Any], Any]:
         tensors, indices = super()._round_robin_reorder(tensor_list, num_partitions)
-        index = self.__dict__.get("_safe_zero_round_robin_groups", 0)  # called once per parameter group, in order
-        self._safe_zero_round_robin_groups = index + 1
+        index = self._next_flat_group()
         session = session_for(self)
         plan = plan_for(session)
         if getattr(self, "parameter_alignment", False) or not _wants(plan, session, tensors):
@@ -217,8 +216,7 @@ class AlignStage3SubGroups(RecordsFlatOrder):
 
     @overrides
     def _create_fp16_sub_groups(self, params_group: list[Any]) -> list[list[Any]]:
-        index = self.__dict__.get("_safe_zero_param_groups_seen", 0)  # called once per parameter group, in order
-        self._safe_zero_param_groups_seen = index + 1
+        index = self._next_flat_group()
         session = session_for(self)
         plan = plan_for(session)
         params_group = list(params_group)
@@ -260,10 +258,14 @@ class GuardGatheredAlignment:
     """Mixin for ``PartitionedParameterCoordinator``: once a module's parameters are gathered, check the
     detected weights among them (the ZeRO-3 half of the ``alignment_guard``)."""
 
+    _safe_zero: State
+
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # module id -> its detected weights: fetches run per submodule per step, so look once.
-        self._safe_zero_guarded_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
+        # This fix's part of the coordinator's State, module id -> its detected weights: fetches run per submodule
+        # per step, so look once.
+        guarded: dict[int, tuple[torch.nn.Parameter, ...]] = {}
+        state_of(self).grouped_mm = guarded
         super().__init__(*args, **kwargs)
         plan = plan_for(session_for(self))
         if not (plan.guard and plan.params):  # nothing to check: skip this override at every module entry
@@ -272,9 +274,10 @@ class GuardGatheredAlignment:
     @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         super().fetch_sub_module(current_submodule, forward)
-        guarded = self._safe_zero_guarded_by_module.get(id(current_submodule))
+        by_module = self._safe_zero.grouped_mm
+        guarded = by_module.get(id(current_submodule))
         if guarded is None:
-            guarded = self._safe_zero_guarded_by_module[id(current_submodule)] = self._guarded(current_submodule)
+            guarded = by_module[id(current_submodule)] = self._guarded(current_submodule)
         for param in guarded:
             if param.numel() and param.data_ptr() % ALIGNMENT_BYTES:
                 raise AlignmentError(

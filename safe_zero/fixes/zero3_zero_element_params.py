@@ -39,7 +39,7 @@ from packaging.specifiers import SpecifierSet
 
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides, pass_through, swapped
-from safe_zero.session import Session, session_for
+from safe_zero.session import Session, State, session_for, state_of
 
 FIX = Fix(
     name="zero3_zero_element_params",
@@ -156,6 +156,22 @@ def adopt(params: Iterable[torch.nn.Parameter], session: Session) -> int:
     return count
 
 
+class ZeroElements:
+    """This fix's part of the :class:`~safe_zero.session.State` of an object it extends
+    (``obj._safe_zero.zero_element``): the ZeRO-3 coordinator's, or ``safe_zero.Init``'s."""
+
+    __slots__ = ("by_module", "reported", "adopt_each")
+
+    def __init__(self, adopt_each: bool = False) -> None:
+        #: The coordinator: module id -> its zero-element parameters (fetches run per submodule per step: look once).
+        self.by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
+        #: The coordinator: whether the session was told that a fetch made some available.
+        self.reported = False
+        #: ``safe_zero.Init``: whether each parameter is adopted as it is converted (not those of a module given
+        #: whole, which is adopted after partitioning, only if it has zero-element parameters).
+        self.adopt_each = adopt_each
+
+
 class MaterializeZeroElementOnFetch:
     """Mixin for ``PartitionedParameterCoordinator``: empty parameters are made available before the stock fetch.
 
@@ -164,23 +180,24 @@ class MaterializeZeroElementOnFetch:
     own release (``param.partition``) frees them again without a collective.
     """
 
+    _safe_zero: State
+
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # module id -> its zero-element parameters: fetches run per submodule per step, so look once.
-        self._safe_zero_empty_by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
+        state_of(self).zero_element = ZeroElements()
         super().__init__(*args, **kwargs)
         if not session_for(self).uses(FIX):  # skip this override at every module entry
             pass_through(self, "fetch_sub_module", MaterializeZeroElementOnFetch)
 
     @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
-        empty = self._safe_zero_empty_by_module.get(id(current_submodule))
+        part = self._safe_zero.zero_element
+        empty = part.by_module.get(id(current_submodule))
         if empty is None:
-            empty = self._zero_element_params(current_submodule)
-            self._safe_zero_empty_by_module[id(current_submodule)] = empty
-        if empty and materialize_available(empty) and not getattr(self, "_safe_zero_fetch_reported", False):
+            empty = part.by_module[id(current_submodule)] = self._zero_element_params(current_submodule)
+        if empty and materialize_available(empty) and not part.reported:
+            part.reported = True
             session_for(self).engaged(FIX, "zero-element parameters made available at fetch without a collective")
-            self._safe_zero_fetch_reported = True
         super().fetch_sub_module(current_submodule, forward)
 
     def _zero_element_params(self, module: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:

@@ -85,10 +85,10 @@ class _SafeStrategyBase:
 
     # routing ------------------------------------------------------------------------------------------------------
 
-    def _safe_initialize(self, *args: Any, **kwargs: Any) -> tuple:
+    def _safe_initialize(self, outer: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple:
         """``deepspeed.initialize`` as Lightning calls it, given CPU's device rank and the ``safe_zero`` block.
 
-        Goes through safe_zero by way of whatever was bound to ``deepspeed.initialize`` before (a
+        Goes through safe_zero by way of ``outer``, whatever was bound to ``deepspeed.initialize`` before (a
         profiler's or a test's wrapper is called, with safe_zero's classes injected).
         """
         from safe_zero import chaining
@@ -103,7 +103,7 @@ class _SafeStrategyBase:
         if block is not None and isinstance(config, dict) and CONFIG_KEY not in config:
             # Lightning's inference path builds a fresh config; keep the user's safe_zero options in it.
             kwargs["config"] = {**config, CONFIG_KEY: block}
-        return chaining.initialize_through(self._safe_zero_outer_initialize, *args, **kwargs)
+        return chaining.initialize_through(outer, *args, **kwargs)
 
     @contextlib.contextmanager
     def _routed_initialize(self) -> Iterator[None]:
@@ -112,14 +112,13 @@ class _SafeStrategyBase:
 
         from safe_zero.patching import swapped
 
+        def initialize(*args: Any, **kwargs: Any) -> tuple:
+            return self._safe_initialize(outer, *args, **kwargs)
+
         # Lightning reads deepspeed.initialize at call time. swapped holds safe_zero's patching lock, which keeps
-        # another thread's initialize from running while the name is rebound.
-        with swapped(deepspeed, "initialize", self._safe_initialize) as outer:
-            self._safe_zero_outer_initialize = outer
-            try:
-                yield
-            finally:
-                del self._safe_zero_outer_initialize
+        # another thread's initialize from running while the name is rebound; it gives what was bound before.
+        with swapped(deepspeed, "initialize", initialize) as outer:
+            yield
 
     # config -------------------------------------------------------------------------------------------------------
 

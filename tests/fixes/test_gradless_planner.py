@@ -1,35 +1,49 @@
-"""Replays of the rank agreement: two or three planners in one process, each fed one rank's recorded events.
+"""Replays of the rank agreement: two or three ranks in one process, each fed one rank's recorded events.
 
 The first backward's hooks must fire in one relative order on the ranks that reach the same parameters (stock
 DeepSpeed needs that too; what they reach may differ): the agreement hands those over as they fire. From the second
 backward on, any order: the ranks walk one order merged from every rank's first one.
 
 Each rank runs in a thread with a fake :class:`Backend` whose collectives meet the other ranks' (a rank left in a
-collective the others never make fails the replay, as a hang would). Every replay checks what the real ranks need
-(docs/rank_agreement.md): every rank hands DeepSpeed the same parameters in the same sequence, each once per
-backward, with zeros exactly where its own backward did not reach one, and on ZeRO-3 between the same module
-gathers. The real-rank, DDP-exact tests in ``test_gradless_params_ranks.py`` remain the end-to-end check.
+collective the others never make fails the replay, as a hang would). A rank is the stage mixin itself
+(``ReduceInOneOrderStage12``, ``ReduceInOneOrderStage3``) over :class:`DeepSpeedSide`, a stand-in for DeepSpeed's
+optimizer whose hook body records what it is handed: the replays call the mixins' own hooks, their in-order fast path
+included, with ``torch._C._current_graph_task_id`` answering the rank's autograd task. ``fast=False`` replays the
+same events on the bare :class:`Planner` (every hook through ``Planner.hook``), which the fast path must match.
 
-A script is one list of events per backward per rank: a parameter's name (its gradient hook fires), ``"m"`` (the
-backward enters a module: the clock moves, that module's gathers follow), ``"nested"`` (what follows runs in a
-nested autograd task: reentrant checkpointing), ``"leave"`` (every rank left the recorded module order here).
+Every replay checks what the real ranks need (docs/rank_agreement.md): every rank hands DeepSpeed the same
+parameters in the same sequence, each once per backward and with a gradient, zeros exactly where its own backward did
+not reach one, and on ZeRO-3 between the same module gathers. The real-rank, DDP-exact tests in
+``test_gradless_params_ranks.py`` remain the end-to-end check.
+
+A script is one list of events per backward per rank: a parameter's name (its gradient hook fires), ``"~name"`` (its
+hook fires without a gradient), ``"+name"`` (ZeRO-3 tiled compute: one of several hooks of that parameter in this
+backward, not its last, which DeepSpeed does not bucket), ``"m"`` (the backward enters a module: the clock moves,
+that module's gathers follow), ``"nested"`` (what follows runs in a nested autograd task: reentrant checkpointing),
+``"leave"`` (every rank left the recorded module order here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
 from safe_zero.errors import RankDivergenceError
 from safe_zero.fixes.gradless import planner as planning
+from safe_zero.fixes.gradless import stage3 as stage3_module
+from safe_zero.fixes.gradless import stage12 as stage12_module
+from safe_zero.fixes.gradless.adapter import WHY, Gradless
 from safe_zero.fixes.gradless.module_order import ModuleClock
-from safe_zero.fixes.gradless.planner import FIRED, HELD, Mode, Phase, Planner, carry_out
+from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Mode, Phase, Planner
+from safe_zero.fixes.gradless.stage3 import ReduceInOneOrderStage3
+from safe_zero.fixes.gradless.stage12 import ReduceInOneOrderStage12
 
 #: The modules a forward enters before its backward begins (ZeRO-3 scripts).
 FORWARD_MODULES = 3
@@ -78,26 +92,38 @@ class Flight:
         return [min(column) for column in zip(*self.world.values(self.k))]
 
 
+class Param(str):
+    """One rank's parameter: its name (equal to the other ranks' of that name), and what DeepSpeed reads of it."""
+
+    #: Its gradient in this backward (``GRADIENT``, ``ZEROS``), ``None`` before its hook or a zero fill gives one.
+    grad: Any = None
+    #: ZeRO-3 tiled compute: ``False`` during a hook of it that is not its last in this backward.
+    ds_grad_is_ready = True
+
+
+GRADIENT, ZEROS = "its gradient", "zeros"
+
+
 @dataclass
 class Ranks:
     """One rank's :class:`Backend`: ``reach`` is what its running backward reaches (its hooks' parameters)."""
 
     world: World
     rank: int
-    params: list[str]
+    params: list[Param]
     late: bool = False  # this rank's agreement answer lands only when waited for (hooks queue meanwhile)
     reach: set[str] = field(default_factory=set)
     collectives: list[str] = field(default_factory=list)
     nested_warnings: int = 0
     asked: int = 0  # how often the planner asked what the running backward reaches
 
-    def agreed_groups(self) -> list[tuple[Any, list[str]]]:
+    def agreed_groups(self) -> list[tuple[Any, list[Param]]]:
         return [("dp", list(self.params))]
 
-    def ordered_groups(self) -> list[tuple[Any, list[str]]]:
+    def ordered_groups(self) -> list[tuple[Any, list[Param]]]:
         return [("dp", list(self.params))]
 
-    def reached(self, params: list[str]) -> list[bool]:
+    def reached(self, params: list[Param]) -> list[bool]:
         self.asked += 1
         return [p in self.reach for p in params]
 
@@ -128,10 +154,17 @@ class Replay:
     error: BaseException | None = None
     backend: Ranks | None = None
     planner: Planner | None = None
+    clock: ModuleClock | None = None
+    #: The mixin whose hooks this rank runs (``None``: the bare planner's, ``fast=False``).
+    optimizer: Any = None
+    left: bool = False  # this backward left the recorded module order (ZeRO-3): its order cannot be walked
 
 
 def _hand(replay: Replay, handovers: list, clock: ModuleClock | None) -> None:
     for param, _, reason in handovers:
+        if not param.ds_grad_is_ready:  # DeepSpeed buckets only a parameter's last hook of a backward
+            replay.events.append(("accumulate", param))
+            continue
         at = None if clock is None else clock.position
         replay.handed.append(("reduce", param, at))
         replay.events.append(("reduce", param, at))
@@ -139,70 +172,182 @@ def _hand(replay: Replay, handovers: list, clock: ModuleClock | None) -> None:
         replay.reasons[-1][param] = reason
 
 
-def _run_rank(replay: Replay, planner: Planner, clock: ModuleClock | None, steps: list[list[str]],
-              fast: bool) -> None:
-    backend = replay.backend
+class DeepSpeedSide:
+    """What the stage mixins call of DeepSpeed's optimizer: its hook body records the hand-over, which must come with
+    a gradient (the stage's own zeros where the parameter has none); its why, for :func:`check`, is ``FIRED`` for
+    the parameter's own gradient or zeros given as a hook's, ``UNUSED`` for zeros given as not used."""
+
+    partition_gradients = True  # ZeRO-2: the hooks reduce
+
+    def __init__(self, replay: Replay, params: list[Param]) -> None:
+        self.replay = replay
+        self.bit16_groups = self.fp16_groups = [params]
+        #: This backward's zero gradients, each with the report's wording.
+        self.why: dict[Param, str] = {}
+
+    def _reduce(self, param: Param) -> None:
+        assert param.grad is not None, f"{param} handed to DeepSpeed without a gradient"
+        why = self.why.get(param)
+        _hand(self.replay, [(param, (), FIRED if why is None or why == WHY[FIRED] else UNUSED)], self.replay.clock)
+
+    def process_gradients(self, param: Param, i: int) -> None:
+        self._reduce(param)
+
+    def reduce_ready_partitions_and_remove_grads(self, param: Param, *args: Any) -> None:
+        self._reduce(param)
+
+    def enter_backward(self) -> None:
+        pass
+
+    def independent_gradient_partition_epilogue(self) -> None:
+        pass
+
+
+class ZerosRecorded:
+    """First base of a replayed rank: the stage's zero gradients (torch tensors there) as ``ZEROS``, with why."""
+
+    why: dict[Param, str]
+
+    def _zero_fill(self, wanted: Any) -> None:
+        for param, why in wanted:
+            param.grad = ZEROS
+            self.why[param] = why
+
+
+def _replayed(mixin: type) -> type:
+    """A rank: the stage mixin ``mixin`` over :class:`DeepSpeedSide`, built by the stand-in's constructor."""
+    return type(f"Replayed{mixin.__name__}", (ZerosRecorded, mixin, DeepSpeedSide),
+                {"__init__": DeepSpeedSide.__init__})
+
+
+#: Per thread, the autograd task its rank's hooks run in (-1: no backward runs).
+_TASK = threading.local()
+
+
+def _task_of_this_thread() -> int:
+    return getattr(_TASK, "id", -1)
+
+
+@contextlib.contextmanager
+def _tasks_per_thread(mixin: type) -> Iterator[None]:
+    """``torch._C._current_graph_task_id`` as the hooks of ``mixin`` and its bases call it: the task of the rank
+    whose thread calls."""
+    namespaces = {id(f.__globals__): f.__globals__ for klass in mixin.__mro__ for f in vars(klass).values()
+                  if isinstance(f, types.FunctionType) and "_current_graph_task_id" in f.__globals__}
+    saved = [(names, names["_current_graph_task_id"]) for names in namespaces.values()]
+    for names, _ in saved:
+        names["_current_graph_task_id"] = _task_of_this_thread
+    try:
+        yield
+    finally:
+        for names, stock in saved:
+            names["_current_graph_task_id"] = stock
+
+
+def _run_rank(replay: Replay, steps: list[list[str]]) -> None:
+    backend, planner, clock, optimizer = replay.backend, replay.planner, replay.clock, replay.optimizer
     named = {p: p for p in backend.params}  # the planner knows a parameter by identity, as torch's by id()
-    if clock is not None:
+    if clock is not None and optimizer is None:
         clock.follow(planner, lambda position, task: _hand(replay, planner.boundary(position, task), clock))
     for events in steps:
-        # The outer graph shows what the outer task reaches, not what a nested one will.
-        outer = events[:events.index("nested")] if "nested" in events else events
-        backend.reach = {e for e in outer if e in backend.params}
-        replay.reasons.append({})
-        if clock is not None:
-            clock.restart()
-            for _ in range(FORWARD_MODULES):
-                clock.enter(-1)
-        planner.begin_backward()
-        task, left = OUTER, False
+        _begin_backward(replay, events)
+        task = _TASK.id = OUTER
         for event in events:
             if event == "m":
                 position = clock.enter(task)
                 replay.handed.append(("gather", position))
                 replay.events.append(("gather", position))
             elif event == "nested":
-                task = NESTED
+                task = _TASK.id = NESTED
             elif event == "leave":
                 clock.left_order()
-                left = True
+                replay.left = True
             else:
-                replay.events.append(("hook", event))
-                if fast:  # what the stage mixins do: the in-order fast path, else hook
-                    _hand(replay, carry_out(planner, named[event], (), task, None if clock is None else clock.position),
-                          clock)
-                else:
-                    _hand(replay, planner.hook(named[event], (), task, None if clock is None else clock.position),
-                          clock)
-        _hand(replay, planner.finish_backward([(p, ()) for p in backend.params]), clock)
+                _hook(replay, named[event.lstrip("~+")], event[0], task)
+        if optimizer is None:
+            _hand(replay, planner.finish_backward([(p, ()) for p in backend.params]), clock)
+            planner.settle_order(walkable=not replay.left)
+        else:
+            optimizer.independent_gradient_partition_epilogue()
         replay.handed.append(("epilogue",))
         replay.events.append(("epilogue",))
-        planner.settle_order(walkable=not left)
+        _TASK.id = -1
+
+
+def _begin_backward(replay: Replay, events: list[str]) -> None:
+    """The forward (ZeRO-3: its modules on the clock) and ``engine.backward``'s entry, before autograd runs."""
+    backend, clock, optimizer = replay.backend, replay.clock, replay.optimizer
+    # The outer graph shows what the outer task reaches, not what a nested one will.
+    outer = events[:events.index("nested")] if "nested" in events else events
+    backend.reach = {e.lstrip("~+") for e in outer if e.lstrip("~+") in backend.params}
+    replay.reasons.append({})
+    replay.left = False
+    for param in backend.params:
+        param.grad = None
+    if clock is not None:
+        clock.restart()
+        for _ in range(FORWARD_MODULES):
+            clock.enter(-1)
+    if optimizer is None:
+        replay.planner.begin_backward()
+    else:
+        optimizer.why.clear()
+        _TASK.id = -1
+        optimizer.enter_backward()
+
+
+def _hook(replay: Replay, param: Param, kind: str, task: int) -> None:
+    """``param``'s gradient hook fires (``kind``: ``"~"`` without a gradient, ``"+"`` not its last of a tiled one)."""
+    replay.events.append(("hook", param))
+    if kind != "~" and param.grad is None:
+        param.grad = GRADIENT
+    if kind == "+":
+        param.ds_grad_is_ready = False
+    optimizer, clock = replay.optimizer, replay.clock
+    if optimizer is None:
+        _hand(replay, replay.planner.hook(param, (), task, None if clock is None else clock.position,
+                                          param.ds_grad_is_ready), clock)
+    elif clock is None:
+        optimizer.process_gradients(param, 0)
+    else:
+        optimizer.reduce_ready_partitions_and_remove_grads(param)
+    if kind == "+":
+        del param.ds_grad_is_ready
 
 
 def replay(scripts: list[list[list[str]]], params: list[str], zero3: bool = False,
            late: tuple[int, ...] = (), fast: bool = True) -> list[Replay]:
-    """Run ``scripts[rank][step]`` on one ``Mode.AGREED`` planner per rank, in threads; every rank's :class:`Replay`.
-    ``fast``: hooks take the in-order fast path where the planner offers it, as the mixins' do."""
+    """Run ``scripts[rank][step]`` on one rank per script, in threads, the fix in ``Mode.AGREED``; every rank's
+    :class:`Replay`. ``fast``: through the stage mixin's hooks (which take the in-order fast path where the planner
+    offers it); else on the bare planner."""
     world = World(len(scripts))
+    mixin = ReduceInOneOrderStage3 if zero3 else ReduceInOneOrderStage12
     replays = []
     for rank in range(len(scripts)):
-        backend = Ranks(world, rank, params, late=rank in late)
-        planner = Planner(Mode.AGREED, backend, clocked=zero3, queues=not zero3)
-        replays.append(Replay(backend=backend, planner=planner))
+        r = Replay()
+        r.backend = Ranks(world, rank, [Param(p) for p in params], late=rank in late)
+        r.clock = ModuleClock(lambda r=r: not r.left) if zero3 else None
+        if fast:
+            r.optimizer = _replayed(mixin)(r, r.backend.params)
+            r.planner = Gradless(Mode.AGREED, r.backend, queues=not zero3, stock_hook=r.optimizer._stock_hook(),
+                                 clock=r.clock)
+            r.optimizer._plan(r.planner)
+        else:
+            r.planner = Planner(Mode.AGREED, r.backend, clocked=zero3, queues=not zero3)
+        replays.append(r)
 
     def run(rank: int) -> None:
-        clock = ModuleClock(lambda: True) if zero3 else None
         try:
-            _run_rank(replays[rank], replays[rank].planner, clock, scripts[rank], fast)
+            _run_rank(replays[rank], scripts[rank])
         except BaseException as error:  # noqa: BLE001  (reported per rank, as the real rig does)
             replays[rank].error = error
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(scripts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=10)
+    with _tasks_per_thread(mixin):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
     return replays
 
 
@@ -222,7 +367,7 @@ def check(replays: list[Replay], scripts: list[list[list[str]]], positions: bool
     for rank, r in enumerate(replays):
         for step, reasons in enumerate(r.reasons):
             assert set(reasons) == set(r.backend.params), (rank, step, reasons)
-            hooked = set(scripts[rank][step])
+            hooked = {event.lstrip("~+") for event in scripts[rank][step]}
             for param, reason in reasons.items():  # HELD: its gradient where it has one, else zeros
                 assert reason == HELD or (reason == FIRED) == (param in hooked), \
                     f"rank {rank} step {step}: {param} handed over as {'its gradient' if reason == FIRED else 'zeros'}"
@@ -480,6 +625,17 @@ def test_zero12_after_asking_the_fast_path_hands_over_the_zeros_that_follow_a_ho
                            ("hook", "a"), ("reduce", "a", None), ("epilogue",), ("hook", "f")]
 
 
+def test_zero12_a_hook_without_a_gradient_goes_as_zeros_at_that_hook():
+    """Rank 1's hook of ``c`` fires without a gradient (DeepSpeed hooks a parameter autograd gave none): it goes as
+    zeros at that hook, in its turn, by the fast path as by the planner."""
+    scripts = [[["d", "c", "b", "a"]] * 3, [["d", "~c", "b", "a"]] * 3]
+    replays = replay(scripts, P4)
+    check(replays, scripts)
+    for r in replays:
+        assert handed_at_hook(r, 1) == handed_at_hook(r, 2) == ["d", "c", "b", "a"]
+    assert replays[1].optimizer.why == {"c": WHY[FIRED]}
+
+
 def test_zero12_a_hook_that_fired_late_goes_at_the_next_hook_not_at_the_epilogue():
     """Rank 1's ``d`` fires before ``e`` in the second backward: ``d`` parks, ``e`` goes by the fast path, and the
     next hook (``c``) hands over the parked ``d`` before itself; the rest go by the fast path again."""
@@ -636,39 +792,70 @@ def test_zero3_the_in_order_fast_path_hands_over_exactly_what_the_planner_alone_
 
 
 def test_zero3_in_order_hooks_after_the_first_backward_go_by_the_fast_path(monkeypatch):
-    calls = []
-    hook = Planner.hook
+    calls, entries = [], []
+    hook, boundary = Planner.hook, Planner.boundary
     monkeypatch.setattr(Planner, "hook", lambda self, param, *args: calls.append(param) or hook(self, param, *args))
+    monkeypatch.setattr(Planner, "boundary", lambda self, *args: entries.append(args) or boundary(self, *args))
     dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
     replays = replay([[dense] * 3] * 2, P6, zero3=True)
     check(replays, [[dense] * 3] * 2)
     assert len(calls) == 2 * 6, "the agreeing backward's hooks only: the walk expects each next one"
+    assert len(entries) == 2 * (3 + 1 + 1), \
+        "every module entry of the agreeing backward, then one per backward (its walk begins): nothing else is due"
 
 
-# -- the replays have teeth: a broken planner turns them red --------------------------------------------------
+def test_zero3_a_hook_without_a_gradient_goes_as_zeros_at_that_hook():
+    """Rank 1's hook of ``d`` fires without a gradient (DeepSpeed hooks a parameter autograd gave none): it goes as
+    zeros at that hook, in its turn, by the fast path as by the planner."""
+    dense = ["m", "f", "e", "m", "d", "c", "m", "b", "a"]
+    scripts = [[dense] * 3, [["m", "f", "e", "m", "~d", "c", "m", "b", "a"]] * 3]
+    replays = replay(scripts, P6, zero3=True)
+    check(replays, scripts)
+    assert handed_at_hook(replays[1], 2) == ["f", "e", "d", "c", "b", "a"]
+    assert replays[1].optimizer.why == {"d": WHY[FIRED]}
 
 
-def _mutate(monkeypatch: pytest.MonkeyPatch, *edits: tuple[str, str]) -> None:
-    """Replay on ``planner.py`` with ``edits`` (old, new: every occurrence) made to its source."""
-    source = inspect.getsource(planning)
+def test_zero3_tiled_compute_keeps_each_parameters_last_hook_in_the_order():
+    """Tiled compute (DeepSpeed's ``ds_grad_is_ready``): ``e`` and ``c`` hook several times in a backward, and
+    DeepSpeed buckets only the last; the earlier ones go to it at once, to accumulate, and the last keeps its place."""
+    tiled = ["m", "f", "+e", "+e", "e", "m", "d", "+c", "c", "m", "b", "a"]
+    replays = replay([[tiled] * 3] * 2, P6, zero3=True)
+    check(replays, [[tiled] * 3] * 2)
+    for r in replays:
+        assert handed_at_hook(r, 2) == ["f", "e", "d", "c", "b", "a"]
+        assert [e[1] for e in r.events if e[0] == "accumulate"] == ["e", "e", "c"] * 3
+
+
+# -- the replays have teeth: a broken planner or hook turns them red -------------------------------------------
+
+
+def _mutate(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType, *edits: tuple[str, str]) -> None:
+    """Replay on ``module`` (the planner, or a stage mixin's module) with ``edits`` (old, new: every occurrence) made
+    to its source."""
+    source = inspect.getsource(module)
     for old, new in edits:
         assert old in source, old
         source = source.replace(old, new)
-    mutant = types.ModuleType("mutated_planner")
-    exec(compile(source, "mutated_planner.py", "exec"), mutant.__dict__)
-    for name in ("Planner", "Mode", "Phase", "carry_out"):
-        monkeypatch.setitem(globals(), name, getattr(mutant, name))
+    if module is planning:  # the mixins' planner too: Gradless, over the mutated Planner
+        source += "\n\n" + inspect.getsource(Gradless)
+    mutant = types.ModuleType(f"mutated_{module.__name__.rsplit('.', 1)[-1]}")
+    exec(compile(source, f"{mutant.__name__}.py", "exec"), mutant.__dict__)
+    if module is planning:
+        mutant.Mode, mutant.Phase = Mode, Phase  # the enums the mixins and the replays compare with
+    for name in ("Planner", "Gradless", "ReduceInOneOrderStage12", "ReduceInOneOrderStage3"):
+        if name in vars(mutant):
+            monkeypatch.setitem(globals(), name, getattr(mutant, name))
 
 
 def test_a_planner_that_ignores_the_due_clock_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("due[k] > clock", "False"))
+    _mutate(monkeypatch, planning, ("due[k] > clock", "False"))
     for ranks_moving in [(0, 1), (1,)]:
         with pytest.raises(AssertionError):
             test_zero3_a_gradient_that_arrives_before_a_gather_where_the_order_has_it_after(ranks_moving)
 
 
 def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("if reached is not None and not reached[k]:", "if False:"),
+    _mutate(monkeypatch, planning, ("if reached is not None and not reached[k]:", "if False:"),
             ("elif reached is None or reached[k]:", "elif True:"), ("if reached[at]:", "if True:"),
             ("elif finish or (ask and not self.reaches(sequence, k)):", "elif finish:"))
     with pytest.raises(AssertionError):
@@ -678,7 +865,7 @@ def test_a_planner_that_waits_for_unreached_parameters_fails_the_replays(monkeyp
 
 
 def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("(nxt, args_of[k], UNUSED)", "(nxt, args_of[k], FIRED)"),
+    _mutate(monkeypatch, planning, ("(nxt, args_of[k], UNUSED)", "(nxt, args_of[k], FIRED)"),
             ("zeros.append((params[k], self.args[0][k], UNUSED))", "zeros.append((params[k], self.args[0][k], FIRED))"),
             ("(param, args_of[k], UNUSED)", "(param, args_of[k], FIRED)"))
     with pytest.raises(AssertionError):
@@ -688,31 +875,59 @@ def test_a_planner_that_hands_over_unreached_parameters_without_zeros_fails_the_
 
 
 def test_a_fast_path_that_hands_over_before_an_unreached_parameter_alone_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("steps[k] = (params[k], tuple(reversed(zeros)), after)",
-                          "steps[k] = (params[k], (), after)"))
+    _mutate(monkeypatch, planning, ("steps[k] = (params[k], tuple(reversed(zeros)), after)",
+                                    "steps[k] = (params[k], (), after)"))
     with pytest.raises(AssertionError):
         test_zero12_after_asking_the_fast_path_hands_over_the_zeros_that_follow_a_hook()
 
 
-def test_a_fast_path_that_does_not_move_on_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, ("                planner.step = planner.steps[after]\n                return [(param, args, FIRED), *then]",
-                          "                return [(param, args, FIRED), *then]"))
-    with pytest.raises(AssertionError):
-        test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires()
-
-
-def test_a_fast_path_taken_in_a_nested_backward_fails_the_replays(monkeypatch):
-    """Reentrant checkpointing begun late, its nested hooks in the agreed order: the fast path must leave them to
-    the planner, which stops every rank at the first one."""
-    _mutate(monkeypatch, ("if task == planner.wake_task:", "if True:"))
-    with pytest.raises(AssertionError):
-        test_zero12_reentrant_checkpointing_begun_late_stops_every_rank()
-
-
 def test_a_planner_that_never_asks_what_a_backward_reaches_fails_the_replays(monkeypatch):
     """Taking every parameter as reached until the epilogue hands ``b`` over last, after ``a``'s hook."""
-    _mutate(monkeypatch, ("reached = walk.reached[0] = _asked(self.backend, walk.order.sequences[0], at)",
-                          "reached = [True] * len(walk.order.sequences[0])"),
+    _mutate(monkeypatch, planning, ("reached = walk.reached[0] = _asked(self.backend, walk.order.sequences[0], at)",
+                                    "reached = [True] * len(walk.order.sequences[0])"),
             ("reached = walk.reached[sequence] = _asked(self.backend, params, k)", "pass"))
     with pytest.raises(AssertionError):
         test_zero12_a_backward_asks_what_it_reaches_only_at_a_hook_out_of_turn()
+
+
+#: The fast path's zeros for a hook without a gradient (both stages).
+_FAST_PATH_ZEROS = ("            if param.grad is None:\n                self._zero_fill(((param, WHY[FIRED]),))\n"
+                    "            planner.stock_hook", "            planner.stock_hook")
+#: Edits of the stage mixins' hooks (their in-order fast path) and, for each, a replay it turns red.
+BROKEN_HOOKS = {
+    "zero12, taken in a nested backward": (
+        stage12_module, (" and _current_graph_task_id() == planner.wake_task", ""),
+        lambda monkeypatch: test_zero12_reentrant_checkpointing_begun_late_stops_every_rank()),
+    "zero12, not moving on": (
+        stage12_module, ("            planner.step = planner.steps[step[2]]\n", ""),
+        lambda monkeypatch: test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires()),
+    "zero12, without the zeros after it": (
+        stage12_module, ("                self._carry_out(step[1])\n", "                pass\n"),
+        lambda monkeypatch: test_zero12_after_asking_the_fast_path_hands_over_the_zeros_that_follow_a_hook()),
+    "zero12, without zeros for a hook without a gradient": (
+        stage12_module, _FAST_PATH_ZEROS,
+        lambda monkeypatch: test_zero12_a_hook_without_a_gradient_goes_as_zeros_at_that_hook()),
+    "zero3, before its due clock": (
+        stage3_module, (" and clock.position >= step[1]", ""),
+        lambda monkeypatch: test_zero3_a_gradient_that_arrives_before_a_gather_where_the_order_has_it_after((0, 1))),
+    "zero3, at a hook that is not the last": (
+        stage3_module, (' \\\n                and getattr(param, "ds_grad_is_ready", True)', ""),
+        lambda monkeypatch: test_zero3_tiled_compute_keeps_each_parameters_last_hook_in_the_order()),
+    "zero3, not moving on": (
+        stage3_module, ("planner.step = following = planner.steps[step[2]]", "following = planner.steps[step[2]]"),
+        lambda monkeypatch: test_zero3_hooks_in_other_orders_inside_each_module()),
+    "zero3, the planner woken at every module": (
+        stage3_module, ("            planner.wake_at = following[1]\n", ""),
+        lambda monkeypatch: test_zero3_in_order_hooks_after_the_first_backward_go_by_the_fast_path(monkeypatch)),
+    "zero3, without zeros for a hook without a gradient": (
+        stage3_module, _FAST_PATH_ZEROS,
+        lambda monkeypatch: test_zero3_a_hook_without_a_gradient_goes_as_zeros_at_that_hook()),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_HOOKS)
+def test_a_broken_fast_path_fails_the_replays(monkeypatch, broken):
+    module, edit, replayed = BROKEN_HOOKS[broken]
+    _mutate(monkeypatch, module, edit)
+    with pytest.raises((AssertionError, Hang)):
+        replayed(monkeypatch)

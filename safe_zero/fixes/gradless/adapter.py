@@ -3,20 +3,46 @@ and carry out the hand-overs it returns (docs/rank_agreement.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
+from torch._C import _current_graph_task_id
 
 from safe_zero.errors import UnusedParameterError
 from safe_zero.fixes.gradless import FIX
 from safe_zero.fixes.gradless.collectives import DataParallelRanks
-from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Handover, Mode, Planner
+from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Backend, Handover, Mode, Planner
 from safe_zero.patching import overrides
-from safe_zero.session import session_for
+from safe_zero.session import State, session_for, state_of
+
+if TYPE_CHECKING:
+    from safe_zero.fixes.gradless.module_order import ModuleClock
 
 WHY_NOT_USED = "was not used on this rank"
 #: What a zero gradient stands for, indexed by why the planner hands the parameter over (the report's wording).
 WHY = {FIRED: "had no gradient", UNUSED: WHY_NOT_USED, HELD: WHY_NOT_USED}
+
+
+class Gradless(Planner):
+    """The fix's part of a ZeRO optimizer's :class:`~safe_zero.session.State` (``optimizer._safe_zero.gradless``;
+    ``None`` where the fix is off): its planner, and beside it what its hooks hand over to.
+
+    A planner itself rather than a holder of one: the hooks run per parameter per step and reach the planner, the
+    hook body and the clock in one attribute each.
+    """
+
+    def __init__(self, mode: Mode, backend: Backend, *, queues: bool, stock_hook: Callable[..., None],
+                 clock: ModuleClock | None = None) -> None:
+        super().__init__(mode, backend, clocked=clock is not None, queues=queues)
+        #: DeepSpeed's hook body (``PlannerAdapter._stock_hook``), bound once: no ``super()`` per hook.
+        self.stock_hook = stock_hook
+        #: ZeRO-3: the module clock of safe_zero's coordinator, which the walk follows (``None``: ZeRO-1/2, or a
+        #: stock coordinator, and then no walk on a clock).
+        self.clock = clock
+        #: Whether the session was told that held parameters went at the epilogue (once per optimizer).
+        self.held_reported = False
+        #: ``id()`` of each parameter whose zero gradient the session was told of (once per parameter).
+        self.zeroed: set[int] = set()
 
 
 class PlannerAdapter:
@@ -27,22 +53,27 @@ class PlannerAdapter:
     body for what the planner returns (``_carry_out``), with a zero gradient where the parameter has none.
     """
 
-    #: ``None``: the fix is off for this optimizer's session, and every override passes through.
-    _safe_zero_planner: Planner | None = None
-    #: DeepSpeed's hook body (``_stock_hook``), bound once where there is a planner: no ``super()`` per hook.
-    _safe_zero_stock_hook: Callable[..., None]
+    _safe_zero: State
 
-    def _start_planner(self, world: int, clocked: bool, queues: bool) -> Planner | None:
+    def _start_planner(self, world: int, queues: bool, clock: ModuleClock | None = None) -> None:
+        """Route the hooks through a planner where the fix is on (else every override passes through); ZeRO-3 gives
+        the module clock its walk follows."""
         session = session_for(self)
         if not session.uses(FIX):
-            return None
+            return
         mode = (Mode.PASS_THROUGH if world < 2 else
                 Mode.AGREED if session.options.find_unused_parameters else Mode.STRICT)
         backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group, session,
-                                    hold_accumulators=not clocked)
-        self._safe_zero_stock_hook = self._stock_hook()
-        self._safe_zero_planner = Planner(mode, backend, clocked=clocked, queues=queues)
-        return self._safe_zero_planner
+                                    hold_accumulators=clock is None)
+        self._plan(Gradless(mode, backend, queues=queues, stock_hook=self._stock_hook(), clock=clock))
+
+    def _plan(self, planner: Gradless) -> None:
+        """Route the hooks through ``planner`` from now on; where it agrees on a clock, its walk follows the clock's
+        module entries (:meth:`_at_module_boundary`). The replays (``tests/fixes/test_gradless_planner.py``) give
+        their own planners here."""
+        state_of(self).gradless = planner
+        if planner.clock is not None and planner.mode is Mode.AGREED:
+            planner.clock.follow(planner, self._at_module_boundary)
 
     # -- what each stage provides --------------------------------------------------------------------------------
 
@@ -69,14 +100,20 @@ class PlannerAdapter:
         """Whether an order agreed at this epilogue can be walked in the next backwards."""
         return True
 
+    def _at_module_boundary(self, clock: int, task: int) -> None:
+        """Called by the module clock where the backward enters a module and the planner may hand over there."""
+        if not getattr(self, "_coalesce_grad_reduction", False):
+            self._carry_out(self._safe_zero.gradless.boundary(clock, task))
+
     # -- the events ------------------------------------------------------------------------------------------------
 
     @overrides
     def enter_backward(self) -> None:
         # engine.backward enters here before autograd runs: what a backward that never reached its epilogue (an
         # exception) left must not decide this one. Reentrant phases re-enter from inside a hook.
-        if self._safe_zero_planner is not None and torch._C._current_graph_task_id() == -1:
-            self._safe_zero_planner.begin_backward()
+        planner = self._safe_zero.gradless
+        if planner is not None and _current_graph_task_id() == -1:
+            planner.begin_backward()
         super().enter_backward()
 
     @overrides
@@ -86,7 +123,7 @@ class PlannerAdapter:
         # _flush_coalesced_reduction_zero12/_zero3): a parameter only some ranks used would shift every later one in
         # the buckets. A zero gradient on every other parameter makes every rank's flush reduce the same ones; no
         # collective is needed, so this holds with "find_unused_parameters": false too.
-        planner = self._safe_zero_planner
+        planner = self._safe_zero.gradless
         if planner is not None and planner.routes \
                 and getattr(self, "_coalesce_grad_reduction", False):
             self._zero_fill((param, WHY_NOT_USED) for param in self._trainable_params() if param.grad is None)
@@ -99,7 +136,7 @@ class PlannerAdapter:
 
         Raises ``UnusedParameterError`` (``"find_unused_parameters": false``) naming the trainable parameters whose
         hook did not fire on this rank; no collective, so only that rank raises."""
-        planner = self._safe_zero_planner
+        planner: Gradless | None = self._safe_zero.gradless
         if planner is None:
             return
         if planner.mode is Mode.STRICT:
@@ -109,10 +146,10 @@ class PlannerAdapter:
                 raise UnusedParameterError(self._unused_message(missed))
             return
         handovers = planner.finish_backward(params_in_order)
-        if not getattr(self, "_safe_zero_held_reported", False) and any(h[2] == HELD for h in handovers):
+        if not planner.held_reported and any(h[2] == HELD for h in handovers):
+            planner.held_reported = True
             session_for(self).engaged(FIX, "parameters some ranks did not use were reduced in parameter order "
                                            "with zero gradients from those ranks")
-            self._safe_zero_held_reported = True
         self._carry_out(handovers)
         planner.settle_order(self._walkable())
 
@@ -123,7 +160,7 @@ class PlannerAdapter:
         missing = [(param, WHY[reason]) for param, _, reason in handovers if param.grad is None]
         if missing:
             self._zero_fill(missing)
-        stock = self._safe_zero_stock_hook
+        stock = self._safe_zero.gradless.stock_hook
         for param, args, _ in handovers:
             stock(param, *args)
 

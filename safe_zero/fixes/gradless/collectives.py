@@ -15,7 +15,7 @@ from torch.autograd.graph import _get_grad_fn_or_grad_acc
 
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes.gradless import FIX
-from safe_zero.session import Session, session_for
+from safe_zero.session import Session
 
 
 class Reachability:
@@ -116,10 +116,12 @@ class DataParallelRanks:
 ZERO_FILL_CHUNK = 1 << 22
 
 
-def zero_grads_for(wrapper: Any, wanted: Sequence[tuple[torch.nn.Parameter, torch.Size, Any, str]]) -> None:
+def zero_grads_for(wanted: Sequence[tuple[torch.nn.Parameter, torch.Size, Any, str]], reported: set[int],
+                   session: Session) -> None:
     """Give each ``(param, shape, device, why)`` of ``wanted`` a zero gradient of its full ``shape`` (also when ZeRO-3
     has already released its data): views of one zeroed buffer per run of the same dtype and device, at most
-    ``ZERO_FILL_CHUNK`` elements (a larger parameter gets one of its own)."""
+    ``ZERO_FILL_CHUNK`` elements (a larger parameter gets one of its own). ``session`` is told of each parameter
+    once, the first time (its ``id()`` then joins ``reported``)."""
     start, n = 0, len(wanted)
     while start < n:
         dtype, device = wanted[start][0].dtype, wanted[start][2]
@@ -143,7 +145,7 @@ def zero_grads_for(wrapper: Any, wanted: Sequence[tuple[torch.nn.Parameter, torc
             else:  # a released ZeRO-3 parameter: autograd refuses a grad of another shape; DeepSpeed sets .data
                 param.grad = torch.zeros_like(param)
                 param.grad.data = zeros
-            if not getattr(param, "_safe_zero_gradless_reported", False):
-                session_for(wrapper).engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
-                param._safe_zero_gradless_reported = True
+            if id(param) not in reported:
+                reported.add(id(param))
+                session.engaged(FIX, f"parameter of shape {tuple(shape)} {why}; reduced as zeros")
         start = end

@@ -5,7 +5,8 @@ a backward -- a gradient hook fired, the backward entered a module (ZeRO-3), the
 epilogue -- and carry out what it returns: the parameters to hand DeepSpeed now, in that order, each with why
 (:data:`FIRED`, :data:`UNUSED`, :data:`HELD`). Autograd's "will this backward reach it" and the collectives come
 in through a :class:`Backend`, so the replay tests (``tests/fixes/test_gradless_planner.py``) drive several
-planners in one process with recorded per-rank events and check that every rank hands over the same sequence.
+planners in one process with recorded per-rank events, through the mixins' own hooks, and check that every rank hands
+over the same sequence.
 
 Every method of a planner is called on every rank for the same events in the same order, except :meth:`hook`,
 whose calls follow each rank's own autograd and need not match across ranks: that is the point.
@@ -365,7 +366,7 @@ class Planner:
         #: ``>= then``, its due), the caller
         #: may hand it over itself, as ``FIRED`` with its own hook arguments, instead of calling :meth:`hook`, and
         #: must then move ``step`` on to ``steps[after]`` and hand over ``then`` (ZeRO-1/2; ZeRO-3: set ``wake_at``
-        #: to the new step's due), as :func:`carry_out` does; any other hook goes to :meth:`hook`. An identity test
+        #: to the new step's due), as the stage mixins' hooks do; any other hook goes to :meth:`hook`. An identity test
         #: and a list index per hook, where a call costs microseconds between autograd's kernels (issue 26).
         self.step: Step = NO_STEP
         self.steps: list[Step | None] = []
@@ -596,17 +597,3 @@ class Planner:
         self.nested, self.order = True, None
         self.backend.nested_backward()
 
-
-def carry_out(planner: Planner, param: Any, args: tuple, task: int, clock: int | None = None) -> list[Handover]:
-    """What a hook hands over, fast path included: the protocol the stage mixins inline (``Planner.step``)."""
-    parameter, then, after = planner.step
-    if param is parameter:
-        if clock is None:
-            if task == planner.wake_task:  # the walk's own task: a nested backward's hook goes to hook, which stops
-                planner.step = planner.steps[after]
-                return [(param, args, FIRED), *then]
-        elif clock >= then:
-            planner.step = following = planner.steps[after]
-            planner.wake_at = following[1]
-            return [(param, args, FIRED)]
-    return planner.hook(param, args, task, clock)

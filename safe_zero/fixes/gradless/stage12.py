@@ -8,7 +8,7 @@ import torch
 from deepspeed import comm as dist
 from torch._C import _current_graph_task_id
 
-from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, PlannerAdapter
+from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, Gradless, PlannerAdapter
 from safe_zero.fixes.gradless.collectives import zero_grads_for
 from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
@@ -25,7 +25,7 @@ class ReduceInOneOrderStage12(PlannerAdapter):
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._start_planner(dist.get_world_size(group=self.dp_process_group), clocked=False, queues=True)
+        self._start_planner(dist.get_world_size(group=self.dp_process_group), queues=True)
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
         by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
@@ -40,9 +40,11 @@ class ReduceInOneOrderStage12(PlannerAdapter):
 
     def _zero_fill(self, wanted: Iterable[tuple[torch.nn.Parameter, str]]) -> None:
         accum = self.use_grad_accum_attribute
-        zero_grads_for(self, [(param, param.shape, param.device, why) for param, why in wanted
-                              # earlier micro-steps left it a gradient
-                              if not (accum and getattr(param, "grad_accum", None) is not None)])
+        state = self._safe_zero
+        zero_grads_for([(param, param.shape, param.device, why) for param, why in wanted
+                        # earlier micro-steps left it a gradient
+                        if not (accum and getattr(param, "grad_accum", None) is not None)],
+                       state.gradless.zeroed, state.session)
 
     def _at_accumulation_boundary(self) -> bool:
         boundary = self.is_gradient_accumulation_boundary  # a method since 0.19, a flag before
@@ -55,18 +57,18 @@ class ReduceInOneOrderStage12(PlannerAdapter):
     def process_gradients(self, param: torch.nn.Parameter, i: int) -> None:
         # Runs per parameter per step: while a backward walks the agreed order, an identity test against the
         # parameter the walk expects next, a task test and a step along the chain; a planner call for any other.
-        planner = self._safe_zero_planner
+        planner: Gradless | None = self._safe_zero.gradless
         if planner is None:
             super().process_gradients(param, i)
             return
         step = planner.step
-        # planner.carry_out, inlined: the next parameter of the agreed order, in the walk's autograd task (a nested
+        # Planner.step's protocol: the next parameter of the agreed order, in the walk's autograd task (a nested
         # backward's hook goes to the planner, which stops there)
         if param is step[0] and _current_graph_task_id() == planner.wake_task:
             planner.step = planner.steps[step[2]]
             if param.grad is None:
                 self._zero_fill(((param, WHY[FIRED]),))
-            self._safe_zero_stock_hook(param, i)
+            planner.stock_hook(param, i)
             if step[1]:  # the ones after it this rank's backward does not reach
                 self._carry_out(step[1])
             return
@@ -86,7 +88,7 @@ class ReduceInOneOrderStage12(PlannerAdapter):
     @overrides
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
         # ZeRO-1 without overlap_comm reduces in one ordered pass here, skipping None gradients: fill them.
-        if self._safe_zero_planner is not None and not self.overlap_comm:
+        if self._safe_zero.gradless is not None and not self.overlap_comm:
             self._zero_fill((param, WHY_NOT_USED) for group in self.bit16_groups for param in group
                             if param.requires_grad and self.get_gradient_for_reduction(param) is None)
         super().reduce_gradients(pipeline_parallel)
