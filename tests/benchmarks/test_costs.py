@@ -96,11 +96,14 @@ def _deep_size(obj: Any, seen: set[int]) -> int:
         return size + sum(_deep_size(v, seen) for v in obj)
     if hasattr(obj, "__dict__"):
         return size + _deep_size(vars(obj), seen)
+    if type(obj).__module__.startswith("safe_zero"):  # slotted, as session.State is
+        slots = (name for klass in type(obj).__mro__ for name in vars(klass).get("__slots__", ()))
+        return size + sum(_deep_size(getattr(obj, name, None), seen) for name in slots)
     return size
 
 
 def _state_bytes(engine: Any) -> int:
-    """Every ``_safe_zero_*`` attribute of the engine, its optimizer and (ZeRO-3) its parameter coordinator, deep."""
+    """Every ``_safe_zero*`` attribute of the engine, its optimizer and (ZeRO-3) its parameter coordinator, deep."""
     owners = [engine, engine.optimizer]
     offload = getattr(engine.optimizer, "parameter_offload", None)
     if offload is not None:
