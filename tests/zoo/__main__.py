@@ -37,6 +37,10 @@ def world_sizes(arch: Architecture) -> tuple[int, ...]:
     return (2, 3) if arch.kind in ("vlm", "moe_vlm") else (2,)
 
 
+#: Every kind of architecture the zoo runs.
+KINDS = ["vlm", "moe_vlm", "moe_lm", REMOTE]
+
+
 def architectures(kinds: list[str]) -> list[Architecture]:
     """What the installed transformers ships, and the remote-code MoE models of ``tests/zoo/remote``."""
     return [a for a in discover() + remote_architectures() if a.kind in kinds]
@@ -180,7 +184,7 @@ def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="these model types only")
-    parser.add_argument("--kinds", nargs="*", default=["vlm", "moe_vlm", "moe_lm", REMOTE])
+    parser.add_argument("--kinds", nargs="*", default=KINDS, help="measure these kinds only (the table lists all)")
     parser.add_argument("--fresh", action="store_true", help="measure the selected rows again")
     parser.add_argument("--render", action="store_true", help="write the table from the rows measured so far")
     parser.add_argument("--stages", nargs="*", type=int, default=list(STAGES), help="these ZeRO stages only")
@@ -188,14 +192,14 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     current = versions()
-    everything = architectures(args.kinds)
+    everything = architectures(KINDS)
     rows = _load(current)
     if args.fresh:
         _forget(rows, args.only, args.stages, args.ranks)
     census(everything, rows, current)
     if not args.render:
-        measure([a for a in everything if not args.only or a.model_type in args.only], rows, current,
-                tuple(args.stages), tuple(args.ranks))
+        measure([a for a in everything if a.kind in args.kinds and (not args.only or a.model_type in args.only)],
+                rows, current, tuple(args.stages), tuple(args.ranks))
     TABLE.write_text(render(everything, rows, current))
     print(f"wrote {TABLE.relative_to(ROOT)}")
 
