@@ -1,7 +1,7 @@
 """Lightning and Fabric runs shared by the in-process tests (devices=1, on the rank pool) and two_devices.py.
 
 Every case is a module-level function that returns plain data (lists, bools, ints), so the same
-function serves as a rank body of ``safe_zero.ranks`` and as one step of the 2-process script.
+function serves as a rank body of ``tests.rig`` and as one step of the 2-process script.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def ds_config(stage: int, world_size: int) -> dict[str, Any]:
 
 
 def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int) -> dict[str, Any]:
-    """A rank body (``safe_zero.ranks``): ``STEPS`` steps; rank 0 returns the full parameters after them."""
+    """A rank body (``tests.rig``): ``STEPS`` steps; rank 0 returns the full parameters after them."""
     import deepspeed
     import torch.distributed as dist
 
@@ -152,7 +152,7 @@ def first_line(error: BaseException) -> str:
 
 def run_row(pools: Any, arch: Architecture, stage: int, safe: bool, world_size: int, expected: dict[str, Any],
             timeout: float = 180) -> Outcome:
-    """One row on ``pools`` (``safe_zero.ranks.Pools``); a row that fails leaves its pool to be rebuilt."""
+    """One row on ``pools`` (``tests.rig.Pools``); a row that fails leaves its pool to be rebuilt."""
     from tests.rig import RankFailure
 
     try:
