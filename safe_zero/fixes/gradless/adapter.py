@@ -27,8 +27,8 @@ class Gradless(Planner):
     """The fix's part of a ZeRO optimizer's :class:`~safe_zero.session.State` (``optimizer._safe_zero.gradless``;
     ``None`` where the fix is off): its planner, and beside it what its hooks hand over to.
 
-    A planner itself rather than a holder of one: the hooks run per parameter per step and reach the planner, the
-    hook body and the clock in one attribute each.
+    A planner itself rather than a holder of one: the hooks run per parameter per step, and from the planner they
+    reach the hook body and the clock in one attribute each (one hop more per hook than attributes of the optimizer).
     """
 
     def __init__(self, mode: Mode, backend: Backend, *, queues: bool, stock_hook: Callable[..., None],
