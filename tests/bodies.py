@@ -40,7 +40,8 @@ def train_and_roundtrip(model: str, stage: int, safe: bool, world_size: int, ckp
         "expected_shapes": expected_shapes,
         "shapes_init": _zero_element_shapes(engine.module),
     }
-    result["flat_buffer_history"] = [t.requires_grad or t.grad_fn is not None for t in engine.optimizer.bit16_groups_flat]
+    result["flat_buffer_history"] = [t.requires_grad or t.grad_fn is not None
+                                     for t in engine.optimizer.bit16_groups_flat]
     result["losses"] = train(engine, steps)
     result["shapes_after"] = _zero_element_shapes(engine.module)
 
@@ -55,7 +56,8 @@ def train_and_roundtrip(model: str, stage: int, safe: bool, world_size: int, ckp
     fresh.load_checkpoint(ckpt_dir, tag="roundtrip")
     loaded = dict(fresh.module.named_parameters())
     result["not_restored"] = [n for n, p in saved.items()
-                              if loaded[n].shape != p.shape or loaded[n].dtype != p.dtype or not torch.equal(loaded[n], p)]
+                              if loaded[n].shape != p.shape or loaded[n].dtype != p.dtype
+                              or not torch.equal(loaded[n], p)]
     result["master_restored"] = len(saved_master) == len(fresh.optimizer.single_partition_of_fp32_groups) and all(
         torch.equal(a, b) for a, b in zip(saved_master, fresh.optimizer.single_partition_of_fp32_groups))
     result["shapes_loaded"] = _zero_element_shapes(fresh.module)
@@ -72,7 +74,8 @@ def check_trained_and_restored(results: list[dict], steps: int = 3) -> None:
         assert all(torch.isfinite(torch.tensor(r["losses"] + r["continued"])))
         assert r["losses"][-1] < r["losses"][0], r["losses"]
         assert r["shapes_init"] == r["expected_shapes"] == r["shapes_after"] == r["shapes_loaded"]
-        assert r["differed_before_load"], "the fresh engine must start from other values, or the round trip proves nothing"
+        assert r["differed_before_load"], \
+            "the fresh engine must start from other values, or the round trip proves nothing"
         assert r["not_restored"] == [], f"parameters not restored bit-identically: {r['not_restored']}"
         assert r["master_restored"], "the fp32 master partition must be restored bit-identically"
         assert r["continued"] == r["continued_fresh"]

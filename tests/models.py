@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from safe_zero.probes import DropGrad, ZeroSized
+from safe_zero.probes import DropGrad, ZeroSized  # noqa: F401  (ZeroSized: the tests import it from here)
 
 
 class Gradless(nn.Module):
@@ -169,7 +169,8 @@ class TinyGptOss(nn.Module):
     """A 1-layer GPT-OSS from a ``GptOssConfig`` (hidden 64, 4 experts, expert intermediate 32), fed by ``train``.
 
     Its 2-element attention sinks and 4-element router bias put the grouped_mm expert weights off the
-    16-byte grid in a flat buffer (stock bf16 ZeRO-2: data_ptr() % 16 of 12, 12, 8, 8). ``forward`` turns the float batch into token ids.
+    16-byte grid in a flat buffer (stock bf16 ZeRO-2: data_ptr() % 16 of 12, 12, 8, 8). ``forward`` turns the float
+    batch into token ids.
     """
 
     VOCAB = 128

@@ -146,7 +146,8 @@ def test_a_fix_switched_off_in_the_config_is_really_off(ranks, stage):
 
 
 UNREACHABLE_MODES = [
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}}, "SuperOffload"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+     "SuperOffload"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
     ({"zero_optimization": {"stage": 3}, "compile": {"deepcompile": True}}, "DeepCompile"),
 ]

@@ -2,6 +2,7 @@
 
 import pytest
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 import safe_zero
 from safe_zero import SafeZeroConfigError, SafeZeroOptions
@@ -57,14 +58,14 @@ def test_malformed_blocks_are_rejected_with_what_to_write(block, message):
 
 def test_auto_follows_the_deepspeed_version_and_true_false_override_it(monkeypatch):
     fix = Fix("probe", "a probe", SpecifierSet("<0.19.8"), no_probe="a test stand-in")
-    monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", __import__("packaging.version").version.Version("0.18.9"))
+    monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", Version("0.18.9"))
     assert Session().uses(fix)
-    monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", __import__("packaging.version").version.Version("0.19.8"))
+    monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", Version("0.19.8"))
     assert not Session().uses(fix)
     forced = Session(options=SafeZeroOptions(fixes={"probe": True}))
     assert forced.uses(fix)
     off = Session(options=SafeZeroOptions(fixes={"probe": False}))
-    monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", __import__("packaging.version").version.Version("0.18.9"))
+    monkeypatch.setattr(safe_zero.session, "DEEPSPEED_VERSION", Version("0.18.9"))
     assert not off.uses(fix)
 
 

@@ -96,7 +96,8 @@ def test_readme_table_shows_the_same_ranges():
 
 @pytest.mark.parametrize("installed, status", [
     (None, "missing"), ("1.9.0", "older than the floor"), ("2.0.0", "tested"), ("2.1.3", "within the tested range"),
-    ("2.4.0", "tested"), ("2.4.0+cpu", "tested"), ("2.5.0", "newer than tested"), ("3.0.0", "outside the allowed range"),
+    ("2.4.0", "tested"), ("2.4.0+cpu", "tested"), ("2.5.0", "newer than tested"),
+    ("3.0.0", "outside the allowed range"),
 ])
 def test_status_of_an_installed_release(installed, status):
     supported = Supported("pkg", SpecifierSet(">=2.0,<3"), floor="2.0.0", newest="2.4.0")
@@ -127,7 +128,8 @@ def test_an_integration_refuses_a_framework_older_than_its_floor(monkeypatch):
 
 
 def test_readme_matrix_is_the_matrix_scripts_last_output():
-    """docs/versions.md's DeepSpeed matrix is what `make matrix` last wrote (scripts/matrix.md), dated and at a commit."""
+    """docs/versions.md's DeepSpeed matrix is what `make matrix` last wrote (scripts/matrix.md), dated and at a
+    commit."""
     with open(os.path.join(ROOT, "docs", "versions.md")) as f:
         readme = f.read()
     with open(os.path.join(ROOT, "scripts", "matrix.md")) as f:

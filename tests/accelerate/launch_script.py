@@ -102,7 +102,8 @@ def main() -> None:
     accelerator.deepspeed_engine_wrapped = None
     train(accelerator, "safe")
 
-    # A 2-process gloo run can abort in interpreter finalization after training finished (a gloo thread torn down during finalization).
+    # A 2-process gloo run can abort in interpreter finalization after training finished (a gloo thread torn down
+    # during finalization).
     import torch.distributed as dist
 
     accelerator.wait_for_everyone()

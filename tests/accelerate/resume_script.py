@@ -1,4 +1,5 @@
-"""HF Trainer script for ``tests/accelerate/test_trainer_resume.py``: a stock-written checkpoint resumed through safe_zero.
+"""HF Trainer script for ``tests/accelerate/test_trainer_resume.py``: a stock-written checkpoint resumed through
+safe_zero.
 
 A tiny GPT-OSS (grouped_mm experts behind 2-element attention sinks) trains 4 steps with the stock Trainer at ZeRO-2,
 saving at step 2 (mode ``stock``). Mode ``safe`` resumes that step-2 checkpoint with ``SafeZeroCallback`` (which turns

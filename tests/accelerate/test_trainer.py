@@ -132,7 +132,8 @@ def _trainer_trains_rank_dependent_experts(output_dir: str) -> dict:
 
     world = dist.get_world_size()
     ds = rank_dependent_config(world)
-    # fp16 off in so many words: Transformers 4.50 (the floor) reads a config without it as DeepSpeed's old fp16 default.
+    # fp16 off in so many words: Transformers 4.50 (the floor) reads a config without it as DeepSpeed's old fp16
+    # default.
     ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
               gradient_clipping="auto", fp16={"enabled": False})
     environ = dict(os.environ)

@@ -132,7 +132,8 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
-    # A 2-process gloo run can abort in interpreter finalization after training finished (a gloo thread torn down during finalization).
+    # A 2-process gloo run can abort in interpreter finalization after training finished (a gloo thread torn down
+    # during finalization).
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -51,7 +51,8 @@ def test_safe_zero12_trains_and_restores_at_world_size_2(ranks, tmp_path, model,
     check_trained_and_restored(results)
     for r in results:
         assert r["wrapper"] == "SafeDeepSpeedZeroOptimizer"
-        assert r["flat_buffer_history"] == [False], "the flat buffer the all-gather writes must carry no autograd history"
+        assert r["flat_buffer_history"] == [False], \
+            "the flat buffer the all-gather writes must carry no autograd history"
         assert ("flat_buffer_autograd" in r["report"]) == NEEDED
         assert ("zero_element_groups" in r["report"]) == (
             model == "FPQuantLike" and zero_element_groups.FIX.needed(DEEPSPEED_VERSION))

@@ -368,7 +368,8 @@ def _zero3_guard_body(path: str) -> str:
 
 def test_zero3_guard_refuses_a_misaligned_weight_at_initialize_naming_it(ranks):
     with pytest.raises(RankFailure, match=r"AlignmentError: safe_zero cannot keep grouped_mm weight experts 16-byte "
-                                          r"aligned on ZeRO-3 \(data_ptr % 16 = 6\): the grouped_mm_alignment fix is off"):
+                                          r"aligned on ZeRO-3 \(data_ptr % 16 = 6\): "
+                                          r"the grouped_mm_alignment fix is off"):
         ranks.run(1, _zero3_guard_body, path="coalesced")
 
 
@@ -395,7 +396,8 @@ def _zero3_two_groups_body() -> str:
 def test_zero3_refuses_at_initialize_a_weight_that_an_earlier_param_group_pushes_off_the_grid(ranks):
     # Reordering stays inside a parameter group; the 6-byte group before the expert weight cannot be undone.
     with pytest.raises(RankFailure, match=r"AlignmentError: safe_zero cannot keep grouped_mm weight experts 16-byte "
-                                          r"aligned on ZeRO-3 \(data_ptr % 16 = 6\): the optimizer parameter groups before it"):
+                                          r"aligned on ZeRO-3 \(data_ptr % 16 = 6\): "
+                                          r"the optimizer parameter groups before it"):
         ranks.run(1, _zero3_two_groups_body)
 
 

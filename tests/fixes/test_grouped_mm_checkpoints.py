@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.fixes.test_grouped_mm_world_sizes import _engine, _recording, _route_config, _train, _values
+from tests.fixes.test_grouped_mm_world_sizes import _engine, _route_config, _train, _values
 from tests.models import skip_without_grouped_mm_transformers
 
 ROUTES = ["stage1", "stage2", "bf16_optimizer"]

@@ -224,7 +224,8 @@ def _stage_cells(cells: list[tuple[str, str]]) -> dict:
 
     results = {}
     for layout, route in cells:
-        results[f"{layout}/{route}"] = {"stock": _run(layout, route, safe=False), "safe": _run(layout, route, safe=True)}
+        results[f"{layout}/{route}"] = {"stock": _run(layout, route, safe=False),
+                                        "safe": _run(layout, route, safe=True)}
         dist.barrier()
     return results
 

@@ -23,7 +23,7 @@ from packaging.specifiers import SpecifierSet
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
 from tests.bodies import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
-from tests.models import FPQuantLike, ZeroSized, build, cpu_fused_adam, ds_config, train
+from tests.models import ZeroSized, build, cpu_fused_adam, ds_config, train
 from tests.rig import RankFailure
 
 NEEDED = zero_element_groups.FIX.needed(DEEPSPEED_VERSION)
@@ -65,7 +65,8 @@ def test_safe_zero12_trains_and_restores_a_zero_sized_parameter(ranks, tmp_path,
         assert r["shapes_after"] == {"empty.weight": (0, 8)}
         assert r["flat_buffer_history"] == [False]
         if NEEDED:
-            assert r["report"]["zero_element_groups"] == ["1 zero-element parameter(s) kept out of SafeDeepSpeedZeroOptimizer"]
+            assert r["report"]["zero_element_groups"] == [
+                "1 zero-element parameter(s) kept out of SafeDeepSpeedZeroOptimizer"]
         else:
             assert "zero_element_groups" not in r["report"]
         if not NEEDED and not flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION):

@@ -543,9 +543,9 @@ class RankDependentMoE(pl.LightningModule):
 
 
 def trainer_fits_rank_dependent_experts(devices: int) -> dict[str, Any]:
-    """``safe_deepspeed_stage_2`` in fp32 with clipping at 1.0, a ``DistributedSampler`` of our own (unshuffled; Lightning
-    keeps a user's, and the one it injects here drew the rows in another order) dealing ``dealt_rows`` so that each rank trains on its own batches; the
-    MoE's trained weights by name."""
+    """``safe_deepspeed_stage_2`` in fp32 with clipping at 1.0, a ``DistributedSampler`` of our own (unshuffled;
+    Lightning keeps a user's, and the one it injects here drew the rows in another order) dealing ``dealt_rows`` so
+    that each rank trains on its own batches; the MoE's trained weights by name."""
     from torch.utils.data.distributed import DistributedSampler
 
     from tests.fixes.test_gradless_params_ranks import STEPS as STEPS_RANKS
@@ -560,5 +560,6 @@ def trainer_fits_rank_dependent_experts(devices: int) -> dict[str, Any]:
     trainer.fit(model, DataLoader(rows, batch_size=2, sampler=DistributedSampler(rows, shuffle=False)))
     engine = trainer.strategy.model
     return {"rank": trainer.global_rank, "world_size": trainer.world_size, "steps": trainer.global_step,
-            "seen": model.seen, "engine": type(engine).__name__, "fixes_engaged": sorted(engine.safe_zero_session.report),
+            "seen": model.seen, "engine": type(engine).__name__,
+            "fixes_engaged": sorted(engine.safe_zero_session.report),
             "params": {n: p.detach().float().clone() for n, p in model.net.named_parameters()}}
