@@ -32,6 +32,7 @@ from safe_zero.fixes.gradless_params import blocks_to_gather_whole, make_leaves
 from safe_zero.options import SafeZeroOptions, pass_config, resolve_config, zero_stage
 from safe_zero.patching import stock_class, swap, swapped
 from safe_zero.session import Session, made_current
+from safe_zero.uneven_inputs import make_joinable
 from safe_zero.zero_init import STOCK_INIT, Init
 
 
@@ -234,6 +235,7 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
                  f"DeepSpeed{padded}", ranks=[0], level=logging.WARNING)
         result = inner(*args, **kwargs)
         result[0].safe_zero_session = session
+        make_joinable(result[0], session)
         return result
     make_leaves(leaf_blocks, session)
     with injected(session):
@@ -241,6 +243,7 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
     engine = result[0]
     verify_engine(engine)
     engine.safe_zero_session = session
+    make_joinable(engine, session)
     _log_report(session)
     return result
 

@@ -85,7 +85,8 @@ class State:
     and writes it (this module sits below the fixes, so the parts are not typed here); ``None`` where that fix keeps
     nothing on this object."""
 
-    __slots__ = ("session", "module_order", "gradless", "flat_order", "grouped_mm", "zero_element", "coalesced_gather")
+    __slots__ = ("session", "module_order", "gradless", "flat_order", "grouped_mm", "zero_element", "coalesced_gather",
+                 "uneven")
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -102,6 +103,8 @@ class State:
         self.zero_element: Any = None
         #: ``fixes.coalesced_gather_wait``: whether ``safe_zero.Init`` reported its one-at-a-time gathers.
         self.coalesced_gather = False
+        #: ``uneven_inputs.UnevenInputs``: the engine's, for ranks that run out of batches inside ``Join``.
+        self.uneven: Any = None
 
 
 class CapturesSession:

@@ -30,6 +30,7 @@ from safe_zero.fixes.zero3_zero_element_params import (AdoptZeroElementParams, M
                                                         SafeCUDAQuantizer, SafeGatheredTensor)
 from safe_zero.fixes.zero_element_groups import ExcludeZeroElementParams
 from safe_zero.session import CapturesSession
+from safe_zero.uneven_inputs import JoinableDeepSpeedEngine
 from safe_zero.zero_init import Init as SafeZeroInit
 
 
@@ -79,4 +80,4 @@ SAFE_CLASSES = (
 )
 
 #: Every class whose mixins override DeepSpeed methods (``@overrides``), checked at import by ``verify_overrides``.
-OVERRIDING = SAFE_CLASSES + (SafeCUDAQuantizer, SafeGatheredTensor, SafeZeROOrderedDict)
+OVERRIDING = SAFE_CLASSES + (SafeCUDAQuantizer, SafeGatheredTensor, SafeZeROOrderedDict, JoinableDeepSpeedEngine)

@@ -38,7 +38,13 @@ from safe_zero.accelerate.routing import (  # noqa: E402
     uninstall_on_request,
 )
 
+from safe_zero.accelerate.uneven_inputs import (  # noqa: E402
+    install_join_uneven_inputs,
+    uninstall_join_uneven_inputs,
+)
+
 install_on_request()
+install_join_uneven_inputs()
 
 __all__ = [
     "SafeDeepSpeedPlugin",
@@ -47,10 +53,12 @@ __all__ = [
     "WorldSizeMismatchError",
     "check_world_size",
     "cpu_distributed_state",
+    "install_join_uneven_inputs",
     "install_on_request",
     "is_routed",
     "requests_safe_zero",
     "session_of",
+    "uninstall_join_uneven_inputs",
     "uninstall_on_request",
 ]
 

@@ -1,0 +1,157 @@
+"""Uneven inputs: the engine ``safe_zero.initialize`` returns is a ``torch.distributed.algorithms.Joinable``.
+
+Ranks that run different numbers of batches (a dataset that does not divide by the world size, RL rollouts filtered
+per rank, packing) make stock DeepSpeed hang on NCCL, or abort on gloo, at the first collective a finished rank does
+not join. Under ``with Join([engine]):`` (torch's context manager, as for DDP) a rank that ran out of batches shadows
+each iteration the others still run: the same collectives, with a zero gradient.
+
+- ZeRO-0/1/2: a backward of ``0 * p`` for every trainable parameter hands each gradient hook a zero gradient (the
+  rank agreement walks them in the agreed order, so the reductions are the others'), then ``engine.step()`` (its
+  gradient-norm reduction, the optimizer step and the all-gather of the updated partitions). No forward runs.
+- ZeRO-3: the rank's last micro-batch runs again through the engine and its loss times zero goes backward, then
+  ``engine.step()``: the same recorded module order, so the same parameter gathers and releases as the others'.
+  Its forward's compute is spent again (a finished rank has nothing else to do); buffers a forward updates in
+  training mode (BatchNorm's running statistics) see that batch again.
+
+The update is DDP's under ``Join``: with ``divide_by_initial_world_size=True`` (the default) the gradient is the sum
+over the ranks that had a batch divided by the world size; with ``False``, divided by the number of those ranks
+(their loss is scaled by world size / ranks with a batch, which the iteration's ``Join`` all-reduce counts). The
+gradient accumulation boundaries stay the same on every rank: a shadowed iteration is one micro-step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+
+from safe_zero.errors import SafeZeroError
+from safe_zero.patching import overrides
+from safe_zero.session import Session, State
+
+
+class UnevenInputs:
+    """The engine's part of :class:`~safe_zero.session.State` (``engine._safe_zero.uneven``)."""
+
+    def __init__(self) -> None:
+        #: The last micro-batch's ``(inputs, kwargs)`` inside a ``Join`` at ZeRO-3: what a finished rank runs again.
+        self.last_batch: tuple[tuple, dict] | None = None
+        #: A shadowed iteration runs: its forward is not an iteration of its own.
+        self.shadowing = False
+        #: This iteration's loss factor (``divide_by_initial_world_size=False``: world size / ranks with a batch).
+        self.loss_scale = 1.0
+        #: The ``Join`` keyword of the same name.
+        self.divide_by_initial_world_size = True
+
+
+class JoinsUnevenInputs:
+    """Mixin for DeepSpeed's engine: a ``Joinable`` whose finished ranks shadow the others' iterations (see the
+    module's docstring). Outside a ``Join`` it adds nothing: ``Join.notify_join_context`` returns at once.
+    (Registered as a ``Joinable`` rather than derived from it, whose abstract ``__init__`` would shadow the engine's.)
+    """
+
+    _safe_zero: State
+
+    @overrides
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        uneven = self._safe_zero.uneven
+        if not uneven.shadowing:
+            # Every iteration tells the ranks that joined that this one has not (an all-reduce, inside a Join only).
+            work = Join.notify_join_context(self)
+            uneven.loss_scale = 1.0
+            if work is not None:
+                if not uneven.divide_by_initial_world_size:
+                    work.wait()
+                    uneven.loss_scale = self.dp_world_size / work.result()[0].item()
+                if self.zero_optimization_partition_weights():
+                    uneven.last_batch = (inputs, kwargs)
+        return super().forward(*inputs, **kwargs)
+
+    @overrides
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        scale = self._safe_zero.uneven.loss_scale
+        return super().backward(loss * scale if scale != 1.0 else loss, *args, **kwargs)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        self._safe_zero.uneven.divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return ShadowsAnIteration(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.data_parallel_group
+
+
+Joinable.register(JoinsUnevenInputs)
+
+
+class ShadowsAnIteration(JoinHook):
+    """What a rank that ran out of batches runs for each iteration another rank still runs."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def main_hook(self) -> None:
+        engine, uneven = self.engine, self.engine._safe_zero.uneven
+        uneven.shadowing, uneven.loss_scale = True, 1.0
+        try:
+            engine.backward(self._zero_loss())
+            engine.step()
+        finally:
+            uneven.shadowing = False
+
+    def _zero_loss(self) -> torch.Tensor:
+        engine = self.engine
+        if not engine.zero_optimization_partition_weights():
+            return sum((p * 0).sum() for p in engine.module.parameters() if p.requires_grad)  # type: ignore[return-value]
+        last = engine._safe_zero.uneven.last_batch
+        if last is None:
+            raise UnevenInputsError(
+                "under ZeRO-3 a rank that runs out of batches inside Join runs its last micro-batch again, with a zero "
+                "loss, to make the others' parameter gathers: this rank ran none inside the Join. Give every rank at "
+                "least one batch inside it (e.g. open the Join before the first step).")
+        inputs, kwargs = last
+        return _loss_of(engine(*inputs, **kwargs)) * 0
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss a forward's output carries (``.loss``, a scalar), else the sum of its floating-point tensors."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.sum()
+    values = output.values() if isinstance(output, dict) else output
+    return sum(v.sum() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())  # type: ignore
+
+
+class UnevenInputsError(SafeZeroError):
+    """Raised where a rank cannot shadow the others' iterations inside ``Join``."""
+
+
+@functools.cache
+def joinable_class(engine_class: type) -> type:
+    """``engine_class`` with :class:`JoinsUnevenInputs` before it (the same name: it is DeepSpeed's engine)."""
+    return type(engine_class.__name__, (JoinsUnevenInputs, engine_class), {"__module__": __name__})
+
+
+def make_joinable(engine: Any, session: Session) -> None:
+    """Give a ``DeepSpeedEngine`` (not a pipeline or hybrid engine) :class:`JoinsUnevenInputs`, and its state."""
+    if type(engine) is DeepSpeedEngine:
+        engine.__class__ = joinable_class(DeepSpeedEngine)
+        engine._join_config = _JoinConfig.construct_disabled_join_config()
+        state = State(session)
+        state.uneven = UnevenInputs()
+        object.__setattr__(engine, "_safe_zero", state)
+
+
+#: Checked at import like the other safe classes (``wrappers.OVERRIDING``).
+JoinableDeepSpeedEngine = joinable_class(DeepSpeedEngine)
+
+__all__ = ["JoinsUnevenInputs", "UnevenInputsError", "joinable_class", "make_joinable"]

@@ -1,0 +1,203 @@
+"""Uneven inputs under ``torch.distributed.algorithms.Join`` (safe_zero/uneven_inputs.py): each rank runs its own
+number of batches; the parameters after training equal single-process AdamW on the samples the ranks saw, averaged
+as DDP's ``divide_by_initial_world_size`` says. Stock DeepSpeed's engine is no ``Joinable``, and without ``Join``
+the ranks' collectives stop pairing up at the first batch a finished rank does not run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.fixes.test_gradless_params_ranks import MISMATCH
+from tests.models import build
+from tests.rig import RankFailure
+
+LR = 1e-2
+TOLERANCE = 1e-5
+
+
+class Regression(nn.Module):
+    """Two linear layers and the loss: the forward returns it, as a model with labels does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.b(torch.relu(self.a(x))) - y).pow(2).mean()
+
+
+def batch(rank: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    return torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
+
+
+def config(stage: int, world_size: int, accumulation: int, dtype: str) -> dict:
+    return {"train_batch_size": 2 * accumulation * world_size, "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": accumulation,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+            **({"bf16": {"enabled": True}} if dtype == "bf16" else {})}
+
+
+def _train(counts: list[int], stage: int, world_size: int, accumulation: int = 1, dtype: str = "fp32",
+           divide: bool | None = None, checkpoint: str | None = None) -> dict:
+    """Rank ``r`` runs ``counts[r]`` micro-batches, each ``engine(x, y)``, ``backward``, ``step``; inside ``Join``
+    unless ``divide`` is None. Rank 0 returns the full fp32 parameters after the Join (and after a checkpoint round
+    trip into a fresh engine, with ``checkpoint``)."""
+    import deepspeed
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+
+    import safe_zero
+
+    rank = dist.get_rank()
+    engine, *_ = safe_zero.initialize(model=build(Regression), config=config(stage, world_size, accumulation, dtype))
+    boundaries = []
+    with Join([engine], divide_by_initial_world_size=divide) if divide is not None else _nothing():
+        for i in range(counts[rank]):
+            x, y = batch(rank, i)
+            loss = engine(x.to(engine.module.a.weight.dtype), y.to(engine.module.a.weight.dtype))
+            boundaries.append(engine.is_gradient_accumulation_boundary())
+            engine.backward(loss)
+            engine.step()
+    steps = engine.global_steps
+    if checkpoint:
+        engine.save_checkpoint(checkpoint, tag="joined")
+        engine, *_ = safe_zero.initialize(model=build(Regression, seed=1),
+                                          config=config(stage, world_size, accumulation, dtype))
+        engine.load_checkpoint(checkpoint, tag="joined")
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()} if rank == 0 else {}
+    engine.destroy()
+    return {"params": params, "steps": steps, "boundaries": boundaries}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def reference(counts: list[int], world_size: int, accumulation: int = 1, divide: bool = True) -> dict:
+    """Single-process fp32 AdamW + clipping: micro-step ``m`` averages the losses of the ranks with an ``m``-th batch
+    over the world size (``divide``) or over those ranks; a step every ``accumulation`` micro-steps."""
+    net = build(Regression)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)
+    for m in range(max(counts)):  # a last window cut short steps nothing, as on DeepSpeed
+        active = [r for r in range(world_size) if m < counts[r]]
+        if active:
+            losses = torch.stack([net(*batch(r, m)) for r in active])
+            (losses.sum() / (world_size if divide else len(active)) / accumulation).backward()
+        if (m + 1) % accumulation == 0:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def max_error(params: dict, expected: dict) -> float:
+    assert params.keys() == expected.keys()
+    return max((params[n] - expected[n]).abs().max().item() for n in expected)
+
+
+#: Per rank, how many micro-batches it has: one rank with none after the first step, and three different counts.
+UNEVEN = {2: [[5, 1], [2, 4]], 3: [[4, 1, 3], [1, 5, 2]]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ranks_with_uneven_batches_train_as_ddp_under_join(ranks, stage, world_size):
+    for counts in UNEVEN[world_size]:
+        results = ranks.run(world_size, _train, timeout=90, counts=counts, stage=stage, world_size=world_size,
+                            divide=True)
+        assert max_error(results[0]["params"], reference(counts, world_size)) < TOLERANCE, counts
+        assert {r["steps"] for r in results} == {max(counts)}, "every rank steps the others' steps"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_divide_by_the_ranks_that_had_a_batch(ranks, stage):
+    counts = [5, 2]
+    results = ranks.run(2, _train, timeout=90, counts=counts, stage=stage, world_size=2, divide=False)
+    assert max_error(results[0]["params"], reference(counts, 2, divide=False)) < TOLERANCE
+    assert max_error(results[0]["params"], reference(counts, 2, divide=True)) > 10 * TOLERANCE, "the choice shows"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_accumulation_boundaries_stay_the_same_on_every_rank(ranks, stage):
+    counts = [7, 2]  # rank 1 stops inside the first window; the last window is one micro-batch short
+    results = ranks.run(2, _train, timeout=90, counts=counts, stage=stage, world_size=2, accumulation=2, divide=True)
+    assert max_error(results[0]["params"], reference(counts, 2, accumulation=2)) < TOLERANCE
+    assert results[1]["boundaries"] == [False, True]
+    assert {r["steps"] for r in results} == {3}  # 7 micro-steps at 2 each: the 7th is no boundary, as on stock
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_ranks_with_uneven_batches_train_within_the_bf16_band(ranks, stage):
+    counts = [4, 1]
+    results = ranks.run(2, _train, timeout=90, counts=counts, stage=stage, world_size=2, dtype="bf16", divide=True)
+    assert max_error(results[0]["params"], reference(counts, 2)) < 2e-2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_saved_after_the_join_resumes(ranks, tmp_path, stage):
+    counts = [4, 1]
+    trained = ranks.run(2, _train, timeout=90, counts=counts, stage=stage, world_size=2, divide=True)[0]["params"]
+    resumed = ranks.run(2, _train, timeout=90, counts=counts, stage=stage, world_size=2, divide=True,
+                        checkpoint=str(tmp_path / "ckpt"))[0]["params"]
+    assert all(torch.equal(trained[n], resumed[n]) for n in trained)
+
+
+def test_the_engine_is_a_joinable_and_stock_deepspeeds_is_not(ranks):
+    results = ranks.run(1, _is_joinable)
+    assert results[0] == {"safe_zero": True, "stock": False}
+
+
+def _is_joinable() -> dict:
+    import deepspeed
+    from torch.distributed.algorithms.join import Joinable
+
+    import safe_zero
+
+    found = {}
+    for name, init in (("safe_zero", safe_zero.initialize), ("stock", deepspeed.initialize)):
+        engine, *_ = init(model=build(Regression), config=config(2, 1, 1, "fp32"))
+        found[name] = isinstance(engine, Joinable)
+        engine.destroy()
+    return found
+
+
+def test_stock_deepspeed_fails_on_uneven_batches(ranks):
+    """Stock DeepSpeed (no Join): rank 1 runs one batch and its process ends, as a finished job's does; rank 0 goes on
+    into its second step's reductions, which gloo ends with the peer gone (NCCL waits there for good)."""
+    pool = ranks(2)
+    with pytest.raises((RankFailure, RuntimeError, TimeoutError)) as failure:
+        pool.run(_train_stock_uneven, timeout=60, grace=5)
+    text = str(failure.value)
+    assert MISMATCH.search(text) or "died during job" in text, text[:2000]
+    deadline = time.monotonic() + 30  # the rig kills what is left of the pool: the next test gets a fresh one
+    while pool.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _train_stock_uneven() -> None:
+    import os
+
+    import deepspeed
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    engine, *_ = deepspeed.initialize(model=build(Regression), config=config(2, 2, 1, "fp32"))
+    for i in range(3 if rank == 0 else 1):
+        loss = engine(*batch(rank, i))
+        engine.backward(loss)
+        engine.step()
+    if rank == 1:
+        time.sleep(1)
+        os._exit(0)  # rank 1 is done; rank 0 is still stepping
