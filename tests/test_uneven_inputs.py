@@ -138,7 +138,7 @@ def test_gradient_accumulation_boundaries_stay_the_same_on_every_rank(ranks, sta
     assert {r["steps"] for r in results} == {3}  # 7 micro-steps at 2 each: the 7th is no boundary, as on stock
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_ranks_with_uneven_batches_train_within_the_bf16_band(ranks, stage):
     counts = [4, 1]
     results = ranks.run(2, _train, timeout=90, counts=counts, stage=stage, world_size=2, dtype="bf16", divide=True)
