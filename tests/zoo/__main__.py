@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from tests.zoo.architectures import Architecture, Unbuildable, discover
+from tests.zoo.architectures import SAMPLES_IN_TRAINING, Architecture, Unbuildable, discover
 from tests.zoo.rows import REMOTE, Outcome, build_model, reference, remote_architectures, run_row
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -171,6 +171,16 @@ def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str
             kept = kept.split(" kept gathered")[0].removeprefix("optional module(s) ") if kept else ""
             cells = [cell(arch.model_type, s, world_size, safe) for s in STAGES for safe in (False, True)]
             lines.append(f"| {arch.model_type} | {arch.kind} | {world_size} | {' | '.join(cells)} | {kept} |")
+    return "\n".join(lines + _appendix(rows, not_run, unbuildable)) + "\n"
+
+
+def _appendix(rows: dict[tuple, dict], not_run: list[str], unbuildable: list[tuple[Architecture, str]]) -> list[str]:
+    """The table's notes, and the architectures it has no rows for."""
+    lines = []
+    sampled = [f"- {name}: {why}." for name, why in SAMPLES_IN_TRAINING.items()
+               if any((name, s, 2, True) in rows for s in STAGES)]
+    if sampled:
+        lines += ["", "## Notes", "", *sampled]
     if not_run:
         lines += ["", f"## Built tiny, not run in this table yet ({len(not_run)})", "",
                   "`make zoo` runs them (rows already measured are kept); " + ", ".join(not_run) + "."]
@@ -178,7 +188,7 @@ def render(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str
         lines += ["", f"## Not built tiny here ({len(unbuildable)})", "", "| architecture | kind | why |",
                   "|---|---|---|"]
         lines += [f"| {arch.model_type} | {arch.kind} | {why} |" for arch, why in unbuildable]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str]) -> None:

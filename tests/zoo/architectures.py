@@ -32,6 +32,14 @@ class Architecture:
     kind: str  # "vlm" (dense vision-language), "moe_vlm", or "moe_lm" (MoE causal LM)
 
 
+#: Architectures whose training forward draws random numbers the reference cannot draw alike: their rows compare
+#: stock and safe_zero with each other rather than with the reference.
+SAMPLES_IN_TRAINING = {
+    "phimoe": "PhiMoE's sparsemixer samples its routing in training mode (`exponential_()` noise): the ranks and the "
+              "single-process reference draw different numbers, so stock and safe_zero are \"WRONG\" alike",
+}
+
+
 class Unbuildable(Exception):
     """The architecture cannot be built tiny here; str(e) is the reason shown in the zoo's table (one line)."""
 
