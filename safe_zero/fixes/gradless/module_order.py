@@ -161,7 +161,9 @@ def _left_alone_message(names: dict[int, str], module: nn.Module, expected: int 
             "gathers no longer match this rank's (stock DeepSpeed hangs here). If the model skips a module for "
             "some inputs (an optional tower, a conditional adapter), list it in the DeepSpeed config: "
             f'"safe_zero": {{"optional_modules": ["{candidates[-1]}"]}} (one of {candidates}); its parameters '
-            'then stay gathered on every rank. ("safe_zero": {"module_order_timeout": seconds} sets the wait.)')
+            'then stay gathered on every rank. ("safe_zero": {"module_order_timeout": seconds} sets the wait.) If '
+            "instead this rank ran out of batches while the others still train (uneven inputs), run the loop inside "
+            "torch's Join([engine]) (docs/uneven_inputs.md).")
 
 
 def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
