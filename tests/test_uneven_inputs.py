@@ -131,11 +131,11 @@ def test_divide_by_the_ranks_that_had_a_batch(ranks, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_accumulation_boundaries_stay_the_same_on_every_rank(ranks, stage):
-    counts = [7, 2]  # rank 1 stops inside the first window; the last window is one micro-batch short
+    counts = [8, 3]  # rank 1 stops inside its second window: its shadow of the 4th micro-step closes it
     results = ranks.run(2, _train, timeout=90, counts=counts, stage=stage, world_size=2, accumulation=2, divide=True)
     assert max_error(results[0]["params"], reference(counts, 2, accumulation=2)) < TOLERANCE
-    assert results[1]["boundaries"] == [False, True]
-    assert {r["steps"] for r in results} == {3}  # 7 micro-steps at 2 each: the 7th is no boundary, as on stock
+    assert results[1]["boundaries"] == [False, True, False]
+    assert {r["steps"] for r in results} == {4}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -174,8 +174,8 @@ def _is_joinable() -> dict:
 
 
 def test_stock_deepspeed_fails_on_uneven_batches(ranks):
-    """Stock DeepSpeed (no Join): rank 1 runs one batch and its process ends, as a finished job's does; rank 0 goes on
-    into its second step's reductions, which gloo ends with the peer gone (NCCL waits there for good)."""
+    """Stock DeepSpeed (no Join), ZeRO-3: rank 1 runs one batch and its process ends, as a finished job's does; rank 0
+    goes on into its second step's gathers and reductions, which gloo ends with the peer gone (NCCL waits for good)."""
     pool = ranks(2)
     with pytest.raises((RankFailure, RuntimeError, TimeoutError)) as failure:
         pool.run(_train_stock_uneven, timeout=60, grace=5)
@@ -193,7 +193,8 @@ def _train_stock_uneven() -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    engine, *_ = deepspeed.initialize(model=build(Regression), config=config(2, 2, 1, "fp32"))
+    # ZeRO-3: stock ZeRO-1/2 on DeepSpeed 0.18.7-0.18.x fails a step before, on its own defect (flat_buffer_autograd).
+    engine, *_ = deepspeed.initialize(model=build(Regression), config=config(3, 2, 1, "fp32"))
     for i in range(3 if rank == 0 else 1):
         loss = engine(*batch(rank, i))
         engine.backward(loss)
