@@ -96,7 +96,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any, sys_
 
 def _raised(got: dict[int, Any]) -> str:
     """The errors of the ranks that raised, each after "; ", for a message about the ranks that did not finish."""
-    return "".join(f"; {outcome[1]}" for outcome in got.values() if outcome[0] == "err")
+    return "".join(f"; {outcome[1]}" for outcome in got.values() if outcome and outcome[0] == "err")
 
 
 class DistPool:
