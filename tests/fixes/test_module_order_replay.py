@@ -34,34 +34,9 @@ from safe_zero.errors import RankDivergenceError
 from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording, ModuleClock, Phase
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session, State
+from tests.fixes.test_gradless_planner import Hang, World
 
 AVAILABLE, NOT_AVAILABLE = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
-
-
-class Hang(Exception):
-    """A rank waited for a collective the other ranks did not make, or made another one."""
-
-
-class World:
-    """The ranks' collectives: the k-th collective of every rank meets the k-th of the others."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.posts: dict[int, dict[int, tuple[str, Any]]] = {}
-        self.changed = threading.Condition()
-
-    def post(self, rank: int, k: int, kind: str, value: Any) -> None:
-        with self.changed:
-            self.posts.setdefault(k, {})[rank] = (kind, value)
-            self.changed.notify_all()
-
-    def values(self, k: int) -> list[Any]:
-        with self.changed:
-            if not self.changed.wait_for(lambda: len(self.posts.get(k, {})) == self.size, timeout=2.0):
-                raise Hang(f"collective #{k}: only ranks {sorted(self.posts.get(k, {}))} made it")
-            if len({kind for kind, _ in self.posts[k].values()}) > 1:
-                raise Hang(f"collective #{k} mismatched: {self.posts[k]}")
-            return [self.posts[k][r][1] for r in range(self.size)]
 
 
 class Collectives:
