@@ -58,7 +58,7 @@ class JoinsUnevenInputs:
     @overrides
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         uneven = self._safe_zero.uneven
-        if not uneven.shadowing:
+        if not uneven.shadowing and torch.is_grad_enabled():  # a training iteration (an evaluation is none, as DDP's)
             # Every iteration tells the ranks that joined that this one has not (an all-reduce, inside a Join only).
             work = Join.notify_join_context(self)
             uneven.loss_scale = 1.0
@@ -105,6 +105,10 @@ class ShadowsAnIteration(JoinHook):
             engine.step()
         finally:
             uneven.shadowing = False
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # torch's Join leaves its configuration on the joinable: after it, a forward joins nothing.
+        self.engine._join_config = _JoinConfig.construct_disabled_join_config()
 
     def _zero_loss(self) -> torch.Tensor:
         engine = self.engine

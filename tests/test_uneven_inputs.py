@@ -66,6 +66,11 @@ def _train(counts: list[int], stage: int, world_size: int, accumulation: int = 1
             engine.backward(loss)
             engine.step()
     steps = engine.global_steps
+    # After the Join an iteration joins nothing: a no-grad forward on one rank (an evaluation) makes no collective.
+    joined_after = engine._join_config.enable
+    if divide is not None and stage < 3 and rank == 0:
+        with torch.no_grad():
+            engine(*(t.to(engine.module.a.weight.dtype) for t in batch(rank, 0)))
     if checkpoint:
         engine.save_checkpoint(checkpoint, tag="joined")
         engine, *_ = safe_zero.initialize(model=build(Regression, seed=1),
@@ -74,7 +79,7 @@ def _train(counts: list[int], stage: int, world_size: int, accumulation: int = 1
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()} if rank == 0 else {}
     engine.destroy()
-    return {"params": params, "steps": steps, "boundaries": boundaries}
+    return {"params": params, "steps": steps, "boundaries": boundaries, "joined_after": joined_after}
 
 
 class _nothing:
@@ -119,6 +124,7 @@ def test_ranks_with_uneven_batches_train_as_ddp_under_join(ranks, stage, world_s
                             divide=True)
         assert max_error(results[0]["params"], reference(counts, world_size)) < TOLERANCE, counts
         assert {r["steps"] for r in results} == {max(counts)}, "every rank steps the others' steps"
+        assert not any(r["joined_after"] for r in results)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
