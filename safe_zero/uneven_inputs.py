@@ -107,8 +107,9 @@ class ShadowsAnIteration(JoinHook):
             uneven.shadowing = False
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        # torch's Join leaves its configuration on the joinable: after it, a forward joins nothing.
+        # torch's Join leaves its configuration on the joinable: after it, a forward joins nothing and keeps no batch.
         self.engine._join_config = _JoinConfig.construct_disabled_join_config()
+        self.engine._safe_zero.uneven.last_batch = None
 
     def _zero_loss(self) -> torch.Tensor:
         engine = self.engine
