@@ -290,14 +290,19 @@ class OptionalTower(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 8)
+        self._before_tower()
         self.tower = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
         self.head = nn.Linear(8, 1)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+    def _before_tower(self) -> None:
+        """Where a variant registers a module before the tower (the lockstep orders by ``named_modules``)."""
+
+    def _features(self, x: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         h = torch.relu(self.inp(x))
-        if image is not None:
-            h = h + self.tower(image)
-        return (self.head(h) - y).pow(2).mean()
+        return h + self.tower(image) if image is not None else h
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        return (self.head(self._features(x, image)) - y).pow(2).mean()
 
 
 class _PatchEmbed(nn.Module):
@@ -341,23 +346,16 @@ class TiedTower(OptionalTower):
         self.tower[2].weight = self.inp.weight
 
 
-class FunctionalReadingTower(nn.Module):
+class FunctionalReadingTower(OptionalTower):
     """An optional tower, and a weight every rank reads without entering its module (``F.linear(h, self.mix.weight)``,
     as inkling2's causal convolution reads ``conv1d.weight``), registered before the tower: the text-only ranks read
     it while the others are still in the tower."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 8)
+    def _before_tower(self) -> None:
         self.mix = nn.Linear(8, 8)
-        self.tower = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
-        self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
-        h = torch.relu(self.inp(x))
-        if image is not None:
-            h = h + self.tower(image)
-        h = torch.nn.functional.linear(h, self.mix.weight)
+        h = torch.nn.functional.linear(self._features(x, image), self.mix.weight)
         return (self.head(h) - y).pow(2).mean()
 
 
@@ -375,23 +373,28 @@ class _ReadsItsChild(nn.Module):
         return self.out(torch.tanh(torch.nn.functional.linear(h * self.scale, self.conv.weight)))
 
 
-class WholeReadingTower(nn.Module):
+class WholeReadingTower(OptionalTower):
     """An optional tower, and a block registered before it that reads its child's weight without entering the child
     (MiniCPM-V 4.6's text model): the text-only ranks reach the block while the others are in the tower, so the
     lockstep gathers it whole for them and the read finds the weight gathered."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 8)
+    def _before_tower(self) -> None:
         self.block = _ReadsItsChild()
-        self.tower = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
-        self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
-        h = torch.relu(self.inp(x))
-        if image is not None:
-            h = h + self.tower(image)
-        return (self.head(self.block(h)) - y).pow(2).mean()
+        return (self.head(self.block(self._features(x, image))) - y).pow(2).mean()
+
+
+class FrozenEmpty(nn.Module):
+    """A frozen zero-element layer, frozen from birth: ``zero.Init`` already sees it frozen when it partitions (and
+    quantizes) it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(0, 8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
 
 
 class _Shift(nn.Module):

@@ -19,7 +19,7 @@ from torch import nn
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import coalesced_gather_wait
-from tests.models import Control, ZeroSized, batches, build, ds_config
+from tests.models import Control, FrozenEmpty, ZeroSized, batches, build, ds_config
 
 EMPTY_SHAPE = (0, 8)
 
@@ -88,24 +88,13 @@ class Chain(nn.Module):
         return self.out(h).pow(2).mean() + extra
 
 
-class _FrozenEmpty(nn.Module):
-    """Frozen from birth, so zero.Init already sees it frozen when it partitions (and quantizes) it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(EMPTY_SHAPE), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.t()
-
-
 class Quantizable(nn.Module):
     """Sized partitions DeepSpeed's quantizer accepts (a multiple of 8 elements per rank) and a frozen empty layer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dense = nn.Linear(8, 16, bias=False)
-        self.empty = None if _BARE else _FrozenEmpty()
+        self.empty = None if _BARE else FrozenEmpty()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.dense(x).pow(2).mean()

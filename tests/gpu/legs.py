@@ -19,11 +19,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from tests.models import FrozenEmpty
+
 #: Steps every "safe_zero trains" leg takes (on one fixed batch, so a working optimizer makes the loss fall).
 STEPS = 3
 LR = 1e-2
 ALIGNMENT = 16
-EMPTY_SHAPE = (0, 8)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -332,17 +333,6 @@ def fp16_stage0_leg(fused: bool, safe: bool, steps: int = STEPS) -> dict[str, An
 # ----------------------------------------------------------------------------------------------- quantizer
 
 
-class _FrozenEmpty(nn.Module):
-    """Frozen from birth, so DeepSpeed quantizes its (empty) partition when it partitions it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(EMPTY_SHAPE), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.t()
-
-
 class FrozenEmptyModel(nn.Module):
     """Partitions the quantizer accepts (a multiple of 8 elements per rank) and a frozen zero-element layer.
 
@@ -355,7 +345,7 @@ class FrozenEmptyModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dense = nn.Linear(8, 16, bias=False)
-        self.empty = _FrozenEmpty()
+        self.empty = FrozenEmpty()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense(x).pow(2).mean() + self.empty(x).sum()
