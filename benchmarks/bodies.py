@@ -370,16 +370,34 @@ def _counting_collectives() -> Iterator[dict[str, int]]:
             delattr(comm.cdb, name)
 
 
+class _CountingStore:
+    """The store an engine posts its micro-steps to (``safe_zero.rank_progress``), counting each call in ``counts``
+    as ``store_<method>``."""
+
+    def __init__(self, store: Any, counts: dict[str, int]) -> None:
+        self.store, self.counts = store, counts
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            self.counts[f"store_{name}"] = self.counts.get(f"store_{name}", 0) + 1
+            return getattr(self.store, name)(*args)
+        return call
+
+
 def collectives_per_step(stage: int, safe: bool, steps: int = 3, model: str = "wide",
                          tensors: int = 0) -> list[dict[str, int]]:
     """Per step: calls of each collective DeepSpeed's comm backend issues on ``model`` (``Wide``: every rank uses
-    every parameter), and the bytes of each kind (``<name>_bytes``), to size any collective safe_zero adds."""
+    every parameter), and the bytes of each kind (``<name>_bytes``), to size any collective safe_zero adds; and the
+    calls on the process group's store (``store_<method>``)."""
     with _threads_for(model):
         module = build(model, tensors)
         engine = _engine(module, stage, safe=safe)
         x = example_input(module)
         per_step = []
         with _counting_collectives() as counts:
+            progress = getattr(getattr(engine, "_safe_zero", None), "uneven", None)
+            if progress is not None and progress.progress is not None:
+                progress.progress.store = _CountingStore(progress.progress.store, counts)
             for _ in range(steps):
                 counts.clear()
                 _step(engine, x)

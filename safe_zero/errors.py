@@ -74,3 +74,7 @@ class SafeLightningError(SafeZeroError):
 
 class PrecisionFallbackWarning(UserWarning):
     """``precision="16-mixed"`` on a CPU without fp16 support: bf16 mixed precision runs instead."""
+
+
+class UnevenInputsError(SafeZeroError):
+    """The ranks ran different numbers of batches without ``Join``, or a rank cannot shadow the others inside it."""

@@ -13,6 +13,10 @@ each iteration the others still run: the same collectives, with a zero gradient.
   Its forward's compute is spent again (a finished rank has nothing else to do); buffers a forward updates in
   training mode (BatchNorm's running statistics) see that batch again.
 
+Without ``Join``, a rank that leaves training while another went on (a checkpoint save, ``destroy``) raises
+:class:`UnevenInputsError` instead of hanging: each rank posts the micro-steps it begins to the process group's
+store (:mod:`safe_zero.rank_progress`, which says what it sees and what not).
+
 The update is DDP's under ``Join``: with ``divide_by_initial_world_size=True`` (the default) the gradient is the sum
 over the ranks that had a batch divided by the world size; with ``False``, divided by the number of those ranks
 (their loss is scaled by world size / ranks with a batch, which the iteration's ``Join`` all-reduce counts). The
@@ -22,22 +26,30 @@ gradient accumulation boundaries stay the same on every rank: a shadowed iterati
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
+from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
+from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.engine import DeepSpeedEngine
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
-from safe_zero.errors import SafeZeroError
 from safe_zero.patching import overrides
+from safe_zero.rank_progress import RankProgress, UnevenInputsError
 from safe_zero.session import Session, State
 
 
 class UnevenInputs:
     """The engine's part of :class:`~safe_zero.session.State` (``engine._safe_zero.uneven``)."""
 
+    __slots__ = ("last_batch", "shadowing", "loss_scale", "divide_by_initial_world_size", "progress", "meeting")
+
     def __init__(self) -> None:
-        #: The last micro-batch's ``(inputs, kwargs)`` inside a ``Join`` at ZeRO-3: what a finished rank runs again.
+        #: The last micro-batch's ``(inputs, kwargs)`` inside a ``Join`` at ZeRO-3: what a finished rank runs again
+        #: (kept after the Join, so a rank with no batch in a later one, an RL phase filtered to nothing, can too).
         self.last_batch: tuple[tuple, dict] | None = None
         #: A shadowed iteration runs: its forward is not an iteration of its own.
         self.shadowing = False
@@ -45,6 +57,10 @@ class UnevenInputs:
         self.loss_scale = 1.0
         #: The ``Join`` keyword of the same name.
         self.divide_by_initial_world_size = True
+        #: The micro-steps this rank begins and its meetings, in the store (``None``: one rank, or no store).
+        self.progress: RankProgress | None = None
+        #: Inside a meeting (a save that calls another): the inner one adds nothing.
+        self.meeting = False
 
 
 class JoinsUnevenInputs:
@@ -59,6 +75,8 @@ class JoinsUnevenInputs:
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         uneven = self._safe_zero.uneven
         if not uneven.shadowing and torch.is_grad_enabled():  # a training iteration (an evaluation is none, as DDP's)
+            if uneven.progress is not None and self.module.training and self.zero_optimization_partition_weights():
+                uneven.progress.begin(self.micro_steps)  # ZeRO-3's forward gathers: the micro-step's collectives begin
             # Every iteration tells the ranks that joined that this one has not (an all-reduce, inside a Join only).
             work = Join.notify_join_context(self)
             uneven.loss_scale = 1.0
@@ -72,8 +90,28 @@ class JoinsUnevenInputs:
 
     @overrides
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        scale = self._safe_zero.uneven.loss_scale
+        uneven = self._safe_zero.uneven
+        if uneven.progress is not None and not uneven.shadowing:
+            uneven.progress.begin(self.micro_steps)
+        scale = uneven.loss_scale
         return super().backward(loss * scale if scale != 1.0 else loss, *args, **kwargs)
+
+    @overrides
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        with _meeting(self, "save_checkpoint"):
+            return super().save_checkpoint(*args, **kwargs)
+
+    @overrides
+    def _zero3_consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with _meeting(self, "the ZeRO-3 16-bit state dict (save_16bit_model, Accelerate's get_state_dict)"):
+            return super()._zero3_consolidated_16bit_state_dict(*args, **kwargs)
+
+    @overrides
+    def destroy(self) -> None:
+        progress = self._safe_zero.uneven.progress
+        if progress is not None:
+            progress.leave(self.micro_steps, "the engine's destroy")
+        super().destroy()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         self._safe_zero.uneven.divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
@@ -107,9 +145,8 @@ class ShadowsAnIteration(JoinHook):
             uneven.shadowing = False
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        # torch's Join leaves its configuration on the joinable: after it, a forward joins nothing and keeps no batch.
+        # torch's Join leaves its configuration on the joinable: after it, a forward joins nothing.
         self.engine._join_config = _JoinConfig.construct_disabled_join_config()
-        self.engine._safe_zero.uneven.last_batch = None
 
     def _zero_loss(self) -> torch.Tensor:
         engine = self.engine
@@ -119,8 +156,8 @@ class ShadowsAnIteration(JoinHook):
         if last is None:
             raise UnevenInputsError(
                 "under ZeRO-3 a rank that runs out of batches inside Join runs its last micro-batch again, with a zero "
-                "loss, to make the others' parameter gathers: this rank ran none inside the Join. Give every rank at "
-                "least one batch inside it (e.g. open the Join before the first step).")
+                "loss, to make the others' parameter gathers: this rank ran none inside this Join or an earlier one. "
+                "Give every rank at least one batch inside its first Join (e.g. open it before the first step).")
         inputs, kwargs = last
         return _loss_of(engine(*inputs, **kwargs)) * 0
 
@@ -136,8 +173,50 @@ def _loss_of(output: Any) -> torch.Tensor:
     return sum(v.sum() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())  # type: ignore
 
 
-class UnevenInputsError(SafeZeroError):
-    """Raised where a rank cannot shadow the others' iterations inside ``Join``."""
+class _meeting:
+    """Every rank meets at ``where`` before the save runs (:meth:`RankProgress.meet`); once, for nested saves."""
+
+    def __init__(self, engine: Any, where: str) -> None:
+        self.uneven, self.engine, self.where = engine._safe_zero.uneven, engine, where
+        self.outer = False
+
+    def __enter__(self) -> None:
+        if self.uneven.progress is not None and not self.uneven.meeting:
+            self.uneven.progress.meet(self.engine.micro_steps, self.where)
+            self.uneven.meeting = self.outer = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer:
+            self.uneven.meeting = False
+
+
+#: Engines built per data-parallel group (its ranks): the same count on each of its ranks, so it names an engine in
+#: the store even where a process builds engines on other groups too.
+_BUILT: defaultdict[tuple[int, ...], itertools.count] = defaultdict(itertools.count)
+
+
+def _progress_of(engine: Any) -> RankProgress | None:
+    """The engine's :class:`RankProgress` on the default store, keyed by its data-parallel group; ``None`` with one
+    rank or no store."""
+    store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
+    group = engine.data_parallel_group or torch_dist.group.WORLD
+    if store_of is None or not torch_dist.is_initialized() or torch_dist.get_world_size(group) < 2:
+        return None
+    ranks = tuple(torch_dist.get_process_group_ranks(group))
+    digest = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
+    prefix = f"safe_zero/progress/{digest}/{next(_BUILT[ranks])}"
+    return RankProgress(store_of(), torch_dist.get_rank(group), len(ranks), prefix,
+                        slots=engine.gradient_accumulation_steps() + 2,
+                        timeout=_timeout_of(group, torch.device(engine.device)))
+
+
+def _timeout_of(group: Any, device: torch.device) -> float:
+    """How long ``group`` waits in a collective on ``device`` (a meeting waits as long for a rank that does not come);
+    DeepSpeed's default where torch does not say."""
+    try:
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return default_pg_timeout.total_seconds()
 
 
 @functools.cache
@@ -153,6 +232,7 @@ def make_joinable(engine: Any, session: Session) -> None:
         engine._join_config = _JoinConfig.construct_disabled_join_config()
         state = State(session)
         state.uneven = UnevenInputs()
+        state.uneven.progress = _progress_of(engine)
         object.__setattr__(engine, "_safe_zero", state)
 
 

@@ -6,13 +6,14 @@ the ranks' collectives stop pairing up at the first batch a finished rank does n
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import pytest
 import torch
 from torch import nn
 
 from tests.fixes.test_gradless_params_ranks import MISMATCH
-from tests.models import build
+from tests.models import OptionalTower, build
 from tests.rig import RankFailure
 
 LR = 1e-2
@@ -93,17 +94,31 @@ class _nothing:
 def reference(counts: list[int], world_size: int, accumulation: int = 1, divide: bool = True) -> dict:
     """Single-process fp32 AdamW + clipping: micro-step ``m`` averages the losses of the ranks with an ``m``-th batch
     over the world size (``divide``) or over those ranks; a step every ``accumulation`` micro-steps."""
-    net = build(Regression)
+    return reference_phases([counts], world_size, accumulation, divide)
+
+
+def reference_phases(phases: list[list[int]], world_size: int, accumulation: int = 1, divide: bool = True,
+                     model: type[nn.Module] = Regression, batch_of: Callable[[int, int], tuple] = batch) -> dict:
+    """:func:`reference` over consecutive Joins, each with its own per-rank counts; each rank's batches number on
+    across them (``batch_of(rank, i)``: the ``i``-th batch of ``rank``, for ``model``)."""
+    net = build(model)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)
-    for m in range(max(counts)):  # a last window cut short steps nothing, as on DeepSpeed
-        active = [r for r in range(world_size) if m < counts[r]]
-        if active:
-            losses = torch.stack([net(*batch(r, m)) for r in active])
-            (losses.sum() / (world_size if divide else len(active)) / accumulation).backward()
-        if (m + 1) % accumulation == 0:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+    seen, micro_step = [0] * world_size, 0
+    for counts in phases:
+        for m in range(max(counts)):  # a last window cut short steps nothing, as on DeepSpeed
+            active = [r for r in range(world_size) if m < counts[r]]
+            if active:
+                losses = torch.stack([net(*batch_of(r, seen[r] + m)) for r in active])
+                (losses.sum() / (world_size if divide else len(active)) / accumulation).backward()
+            micro_step += 1
+            if micro_step % accumulation == 0:
+                for p in net.parameters():  # ZeRO steps whole flat groups: what no rank used gets a zero gradient
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+        seen = [s + c for s, c in zip(seen, counts)]
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
@@ -160,6 +175,70 @@ def test_a_checkpoint_saved_after_the_join_resumes(ranks, tmp_path, stage):
     assert all(torch.equal(trained[n], resumed[n]) for n in trained)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rl_phases_each_in_its_own_join_with_a_rank_that_has_nothing_in_one(ranks, stage):
+    """An RL loop: each rollout keeps its own number of samples per rank, trained in a Join of its own; in the second
+    phase rank 1 kept none (at ZeRO-3 it runs its last micro-batch of the first phase again, times zero)."""
+    phases = [[2, 1], [2, 0], [1, 3]]
+    results = ranks.run(2, _train_phases, timeout=90, phases=phases, stage=stage)
+    assert max_error(results[0], reference_phases(phases, 2)) < TOLERANCE
+
+
+def _train_phases(phases: list[list[int]], stage: int) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+
+    import safe_zero
+
+    rank, seen = dist.get_rank(), 0
+    engine, *_ = safe_zero.initialize(model=build(Regression), config=config(stage, 2, 1, "fp32"))
+    for counts in phases:
+        with Join([engine]):
+            for i in range(seen, seen + counts[rank]):
+                engine.backward(engine(*batch(rank, i)))
+                engine.step()
+        seen += counts[rank]
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()} if rank == 0 else {}
+    engine.destroy()
+    return params
+
+
+def image_or_text(rank: int, i: int) -> tuple:
+    """Rank 0's samples carry an image, the others' are text only: ``OptionalTower``'s tower runs on rank 0 alone."""
+    x, y = batch(rank, i)
+    return x, y, torch.randn(2, 4, generator=torch.Generator().manual_seed(7000 + i)) if rank == 0 else None
+
+
+@pytest.mark.parametrize("counts", [[3, 1], [1, 3]])
+def test_a_vision_language_model_with_image_and_text_ranks_joins_at_zero3(ranks, counts):
+    """ZeRO-3, mixed image/text ranks, no configuration: the first step finds the tower (kept gathered from then on),
+    so the finished rank's rerun of its last batch, image or text, makes the gathers of the other's batches."""
+    results = ranks.run(2, _train_tower, timeout=90, counts=counts)
+    assert max_error(results[0], reference_phases([counts], 2, model=OptionalTower, batch_of=image_or_text)) < (
+        TOLERANCE)
+
+
+def _train_tower(counts: list[int]) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+
+    import safe_zero
+
+    rank = dist.get_rank()
+    engine, *_ = safe_zero.initialize(model=build(OptionalTower), config=config(3, 2, 1, "fp32"))
+    with Join([engine]):
+        for i in range(counts[rank]):
+            engine.backward(engine(*image_or_text(rank, i)))
+            engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()} if rank == 0 else {}
+    engine.destroy()
+    return params
+
+
 def test_the_engine_is_a_joinable_and_stock_deepspeeds_is_not(ranks):
     results = ranks.run(1, _is_joinable)
     assert results[0] == {"safe_zero": True, "stock": False}
@@ -208,3 +287,65 @@ def _train_stock_uneven() -> None:
     if rank == 1:
         time.sleep(1)
         os._exit(0)  # rank 1 is done; rank 0 is still stepping
+
+
+@pytest.mark.parametrize(("stage", "world_size", "where"), [(1, 2, "save_checkpoint"), (2, 2, "destroy"),
+                                                            (3, 3, "save_checkpoint"), (3, 2, "16-bit state dict")])
+def test_a_rank_that_leaves_while_the_others_step_raises_instead_of_hanging(ranks, tmp_path, stage, world_size, where):
+    """No Join: rank 1 runs one batch and saves (or destroys its engine) while the others begin their second micro-step
+    and wait in its first collective. Rank 1 raises, naming the micro-steps and Join; the others wait in gloo until
+    the job ends, as a launcher ends one whose rank failed."""
+    counts = [3, 1, 2][:world_size]
+    pool = ranks(world_size)
+    with pytest.raises((RankFailure, TimeoutError)) as failure:
+        pool.run(_leave_early, timeout=60, grace=3, counts=counts, stage=stage, where=where, path=str(tmp_path))
+    named = {"16-bit state dict": "the ZeRO-3 16-bit state dict", "destroy": "the engine's destroy"}.get(where, where)
+    text = str(failure.value)
+    assert f"rank 1 reached {named}" in text, text[:3000]
+    assert "after micro-step 1 while another rank began micro-step 2" in text
+    assert "UnevenInputsError" in text and "Join([engine])" in text
+    deadline = time.monotonic() + 30
+    while pool.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _leave_early(counts: list[int], stage: int, where: str, path: str) -> None:
+    import torch.distributed as dist
+
+    import safe_zero
+
+    rank = dist.get_rank()
+    engine, *_ = safe_zero.initialize(model=build(Regression), config=config(stage, len(counts), 1, "fp32"))
+    for i in range(counts[rank]):
+        engine.backward(engine(*batch(rank, i)))
+        engine.step()
+    if where == "save_checkpoint":
+        engine.save_checkpoint(path)
+    elif where == "destroy":
+        time.sleep(1)  # the finished rank's own work after its loop: the others have begun their next micro-step
+        engine.destroy()
+    else:  # what Accelerate's get_state_dict and save_16bit_model call under ZeRO-3
+        engine._zero3_consolidated_16bit_state_dict()
+
+
+def test_a_rank_that_comes_late_to_a_save_is_waited_for(ranks, tmp_path):
+    results = ranks.run(2, _save_late, timeout=90, path=str(tmp_path / "ckpt"))
+    assert results[0] == results[1] == 2
+
+
+def _save_late(path: str) -> int:
+    import torch.distributed as dist
+
+    import safe_zero
+
+    rank = dist.get_rank()
+    engine, *_ = safe_zero.initialize(model=build(Regression), config=config(2, 2, 1, "fp32"))
+    for i in range(2):
+        engine.backward(engine(*batch(rank, i)))
+        engine.step()
+    time.sleep(2 * rank)
+    engine.save_checkpoint(path, tag="late")
+    _, client = engine.load_checkpoint(path, tag="late")
+    steps = engine.global_steps
+    engine.destroy()
+    return steps
