@@ -25,11 +25,12 @@ gradient accumulation boundaries stay the same on every rank: a shadowed iterati
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as torch_dist
@@ -173,21 +174,19 @@ def _loss_of(output: Any) -> torch.Tensor:
     return sum(v.sum() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())  # type: ignore
 
 
-class _meeting:
+@contextlib.contextmanager
+def _meeting(engine: Any, where: str) -> Iterator[None]:
     """Every rank meets at ``where`` before the save runs (:meth:`RankProgress.meet`); once, for nested saves."""
-
-    def __init__(self, engine: Any, where: str) -> None:
-        self.uneven, self.engine, self.where = engine._safe_zero.uneven, engine, where
-        self.outer = False
-
-    def __enter__(self) -> None:
-        if self.uneven.progress is not None and not self.uneven.meeting:
-            self.uneven.progress.meet(self.engine.micro_steps, self.where)
-            self.uneven.meeting = self.outer = True
-
-    def __exit__(self, *exc: object) -> None:
-        if self.outer:
-            self.uneven.meeting = False
+    uneven = engine._safe_zero.uneven
+    if uneven.progress is None or uneven.meeting:
+        yield
+        return
+    uneven.progress.meet(engine.micro_steps, where)
+    uneven.meeting = True
+    try:
+        yield
+    finally:
+        uneven.meeting = False
 
 
 #: Engines built per data-parallel group (its ranks): the same count on each of its ranks, so it names an engine in

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.fixes.test_gradless_params_ranks import MISMATCH
+from tests.fixes.test_gradless_params_ranks import MISMATCH, _main_stack
 from tests.models import OptionalTower, build
 from tests.rig import RankFailure
 
@@ -317,29 +317,51 @@ def test_a_rank_that_leaves_while_the_others_step_raises_instead_of_hanging(rank
 
 @_LATER
 def test_stock_deepspeed_hangs_where_a_rank_saves_while_the_others_step(ranks, tmp_path):
-    """The same run on stock DeepSpeed (ZeRO-3, rank 1 saves after one batch): no rank says anything, and the ranks
-    wait in collectives that do not pair up until the job's timeout (or gloo aborts on the mismatch)."""
+    """The same run on stock DeepSpeed (ZeRO-3, rank 1 saves after one batch): no rank says anything. Either gloo
+    aborts on the mismatch, or both ranks still wait in a collective when the job times out: rank 1 in
+    save_checkpoint's, rank 0 in its second step's (each rank's stack is dumped before the timeout)."""
     pool = ranks(2)
     with pytest.raises((RankFailure, RuntimeError, TimeoutError)) as failure:
-        pool.run(_leave_early, timeout=15, counts=[3, 1], stage=3, where="save_checkpoint", path=str(tmp_path),
-                 stock=True)
+        pool.run(_leave_early, timeout=14, counts=[3, 1], stage=3, where="save_checkpoint", path=str(tmp_path),
+                 stock=True, dump_after=9.0)
     text = str(failure.value)
-    assert "did not finish on all 2 ranks" in text or MISMATCH.search(text) or "died during job" in text, text[:2000]
     assert "UnevenInputsError" not in text
+    if isinstance(failure.value, TimeoutError):
+        assert "finished: []" in text, text
+        stacks = {r: _main_stack((tmp_path / f"stack{r}.txt").read_text()) for r in range(2)}
+        for rank, stack in stacks.items():
+            assert stack and stack[0].split(":")[0].endswith("torch/distributed/distributed_c10d.py"), (rank, stack)
+        assert any(frame.endswith(":save_checkpoint") for frame in stacks[1]), stacks[1]
+        assert not any(frame.endswith(":save_checkpoint") for frame in stacks[0]), stacks[0]
+    else:
+        assert MISMATCH.search(text) or "died during job" in text, text[:2000]
     deadline = time.monotonic() + 30
     while pool.alive() and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
-def _leave_early(counts: list[int], stage: int, where: str, path: str, stock: bool = False) -> None:
+def _leave_early(counts: list[int], stage: int, where: str, path: str, stock: bool = False,
+                 dump_after: float | None = None) -> None:
+    import faulthandler
+    import os
+
     import deepspeed
     import torch.distributed as dist
 
     import safe_zero
 
     rank = dist.get_rank()
-    init = deepspeed.initialize if stock else safe_zero.initialize
-    engine, *_ = init(model=build(Regression), config=config(stage, len(counts), 1, "fp32"))
+    if dump_after is not None:  # a rank still here then writes where it waits
+        faulthandler.dump_traceback_later(dump_after, file=open(os.path.join(path, f"stack{rank}.txt"), "w"))
+    try:
+        _run_and_leave(engine_of=deepspeed.initialize if stock else safe_zero.initialize, counts=counts, stage=stage,
+                       where=where, path=path, rank=rank)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _run_and_leave(engine_of: Callable, counts: list[int], stage: int, where: str, path: str, rank: int) -> None:
+    engine, *_ = engine_of(model=build(Regression), config=config(stage, len(counts), 1, "fp32"))
     for i in range(counts[rank]):
         engine.backward(engine(*batch(rank, i)))
         engine.step()
