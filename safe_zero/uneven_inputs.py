@@ -38,7 +38,7 @@ from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.engine import DeepSpeedEngine
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
-from safe_zero.patching import overrides
+from safe_zero.patching import calls, overrides
 from safe_zero.rank_progress import RankProgress, UnevenInputsError
 from safe_zero.session import Session, State
 
@@ -64,6 +64,7 @@ class UnevenInputs:
         self.meeting = False
 
 
+@calls("zero_optimization_partition_weights", "gradient_accumulation_steps", "step")
 class JoinsUnevenInputs:
     """Mixin for DeepSpeed's engine: a ``Joinable`` whose finished ranks shadow the others' iterations (see the
     module's docstring). Outside a ``Join`` it adds nothing: ``Join.notify_join_context`` returns at once.
