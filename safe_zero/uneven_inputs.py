@@ -67,7 +67,8 @@ class UnevenInputs:
 @calls("zero_optimization_partition_weights", "gradient_accumulation_steps", "step")
 class JoinsUnevenInputs:
     """Mixin for DeepSpeed's engine: a ``Joinable`` whose finished ranks shadow the others' iterations (see the
-    module's docstring). Outside a ``Join`` it adds nothing: ``Join.notify_join_context`` returns at once.
+    module's docstring). Outside a ``Join`` it adds no collective (``Join.notify_join_context`` returns at once), only
+    each micro-step's post to the store, and the meeting at saves (:mod:`safe_zero.rank_progress`).
     (Registered as a ``Joinable`` rather than derived from it, whose abstract ``__init__`` would shadow the engine's.)
     """
 
