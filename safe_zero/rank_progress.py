@@ -27,6 +27,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch.distributed as torch_dist
+
 from safe_zero.errors import UnevenInputsError
 
 #: The longest sleep between two looks at the store while a rank waits at a meeting (seconds).
@@ -38,6 +40,13 @@ USE_JOIN = ("Train inside `with torch.distributed.algorithms.Join([engine]):` (A
             "accelerator.join_uneven_inputs([model], even_batches=False):`) so that a rank that runs out of batches "
             "shadows the others' steps with a zero gradient, and save after the Join block; or give every rank the "
             "same number of batches.")
+
+
+def default_store() -> Any | None:
+    """The default process group's store, or ``None`` where there is none (no process group, or a torch without
+    ``_get_default_store``)."""
+    store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
+    return store_of() if store_of is not None and torch_dist.is_initialized() else None
 
 
 class RankProgress:
@@ -127,4 +136,4 @@ def _by_rank(values: dict[int, int]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in values.items())
 
 
-__all__ = ["RankProgress", "UnevenInputsError"]
+__all__ = ["RankProgress", "UnevenInputsError", "default_store"]

@@ -39,7 +39,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from safe_zero.patching import calls, overrides
-from safe_zero.rank_progress import RankProgress, UnevenInputsError
+from safe_zero.rank_progress import RankProgress, UnevenInputsError, default_store
 from safe_zero.session import Session, State
 
 
@@ -199,14 +199,16 @@ _BUILT: defaultdict[tuple[int, ...], itertools.count] = defaultdict(itertools.co
 def _progress_of(engine: Any) -> RankProgress | None:
     """The engine's :class:`RankProgress` on the default store, keyed by its data-parallel group; ``None`` with one
     rank or no store."""
-    store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
+    store = default_store()
+    if store is None:
+        return None
     group = engine.data_parallel_group or torch_dist.group.WORLD
-    if store_of is None or not torch_dist.is_initialized() or torch_dist.get_world_size(group) < 2:
+    if torch_dist.get_world_size(group) < 2:
         return None
     ranks = tuple(torch_dist.get_process_group_ranks(group))
     digest = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
     prefix = f"safe_zero/progress/{digest}/{next(_BUILT[ranks])}"
-    return RankProgress(store_of(), torch_dist.get_rank(group), len(ranks), prefix,
+    return RankProgress(store, torch_dist.get_rank(group), len(ranks), prefix,
                         slots=engine.gradient_accumulation_steps() + 2,
                         timeout=_timeout_of(group, torch.device(engine.device)))
 

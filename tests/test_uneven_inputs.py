@@ -6,7 +6,7 @@ the ranks' collectives stop pairing up at the first batch a finished rank does n
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -50,7 +50,6 @@ def _train(counts: list[int], stage: int, world_size: int, accumulation: int = 1
     """Rank ``r`` runs ``counts[r]`` micro-batches, each ``engine(x, y)``, ``backward``, ``step``; inside ``Join``
     unless ``divide`` is None. Rank 0 returns the full fp32 parameters after the Join (and after a checkpoint round
     trip into a fresh engine, with ``checkpoint``)."""
-    import deepspeed
     import torch.distributed as dist
     from torch.distributed.algorithms.join import Join
 
@@ -77,10 +76,33 @@ def _train(counts: list[int], stage: int, world_size: int, accumulation: int = 1
         engine, *_ = safe_zero.initialize(model=build(Regression, seed=1),
                                           config=config(stage, world_size, accumulation, dtype))
         engine.load_checkpoint(checkpoint, tag="joined")
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()} if rank == 0 else {}
+    return {"params": _rank0_params(engine), "steps": steps, "boundaries": boundaries, "joined_after": joined_after}
+
+
+def _rank0_params(engine: Any) -> dict:
+    """Rank 0's full fp32 parameters (gathered under ZeRO-3; ``{}`` elsewhere); then the engine is destroyed."""
+    import deepspeed
+    import torch.distributed as dist
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=engine.zero_optimization_partition_weights()):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()} if (
+            dist.get_rank() == 0) else {}
     engine.destroy()
-    return {"params": params, "steps": steps, "boundaries": boundaries, "joined_after": joined_after}
+    return params
+
+
+def _failed_run(pool: Any, fn: Callable, expected: tuple[type[BaseException], ...] = (RankFailure, RuntimeError,
+                                                                                    TimeoutError),
+                **kwargs: Any) -> BaseException:
+    """``pool.run(fn, **kwargs)``, which must fail with one of ``expected``: its error, once the rig has ended what was
+    left of the pool (its ranks wait in collectives that never end), so the next test gets a fresh one."""
+    with pytest.raises(expected) as failure:
+        pool.run(fn, **kwargs)
+    deadline = time.monotonic() + 30
+    while pool.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return failure.value
 
 
 class _nothing:
@@ -185,7 +207,6 @@ def test_rl_phases_each_in_its_own_join_with_a_rank_that_has_nothing_in_one(rank
 
 
 def _train_phases(phases: list[list[int]], stage: int) -> dict:
-    import deepspeed
     import torch.distributed as dist
     from torch.distributed.algorithms.join import Join
 
@@ -199,10 +220,7 @@ def _train_phases(phases: list[list[int]], stage: int) -> dict:
                 engine.backward(engine(*batch(rank, i)))
                 engine.step()
         seen += counts[rank]
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
-        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()} if rank == 0 else {}
-    engine.destroy()
-    return params
+    return _rank0_params(engine)
 
 
 def image_or_text(rank: int, i: int) -> tuple:
@@ -221,7 +239,6 @@ def test_a_vision_language_model_with_image_and_text_ranks_joins_at_zero3(ranks,
 
 
 def _train_tower(counts: list[int]) -> dict:
-    import deepspeed
     import torch.distributed as dist
     from torch.distributed.algorithms.join import Join
 
@@ -233,10 +250,7 @@ def _train_tower(counts: list[int]) -> dict:
         for i in range(counts[rank]):
             engine.backward(engine(*image_or_text(rank, i)))
             engine.step()
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()} if rank == 0 else {}
-    engine.destroy()
-    return params
+    return _rank0_params(engine)
 
 
 def test_the_engine_is_a_joinable_and_stock_deepspeeds_is_not(ranks):
@@ -262,13 +276,8 @@ def test_stock_deepspeed_fails_on_uneven_batches(ranks):
     """Stock DeepSpeed (no Join), ZeRO-3: rank 1 runs one batch and its process ends, as a finished job's does; rank 0
     goes on into its second step's gathers and reductions, which gloo ends with the peer gone (NCCL waits for good)."""
     pool = ranks(2)
-    with pytest.raises((RankFailure, RuntimeError, TimeoutError)) as failure:
-        pool.run(_train_stock_uneven, timeout=60, grace=5)
-    text = str(failure.value)
+    text = str(_failed_run(pool, _train_stock_uneven, timeout=60, grace=5))
     assert MISMATCH.search(text) or "died during job" in text, text[:2000]
-    deadline = time.monotonic() + 30  # the rig kills what is left of the pool: the next test gets a fresh one
-    while pool.alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _train_stock_uneven() -> None:
@@ -303,16 +312,12 @@ def test_a_rank_that_leaves_while_the_others_step_raises_instead_of_hanging(rank
     the job ends, as a launcher ends one whose rank failed."""
     counts = [3, 1, 2][:world_size]
     pool = ranks(world_size)
-    with pytest.raises((RankFailure, TimeoutError)) as failure:
-        pool.run(_leave_early, timeout=60, grace=3, counts=counts, stage=stage, where=where, path=str(tmp_path))
+    text = str(_failed_run(pool, _leave_early, expected=(RankFailure, TimeoutError), timeout=60, grace=3,
+                           counts=counts, stage=stage, where=where, path=str(tmp_path)))
     named = {"16-bit state dict": "the ZeRO-3 16-bit state dict", "destroy": "the engine's destroy"}.get(where, where)
-    text = str(failure.value)
     assert f"rank 1 reached {named}" in text, text[:3000]
     assert "after micro-step 1 while another rank began micro-step 2" in text
     assert "UnevenInputsError" in text and "Join([engine])" in text
-    deadline = time.monotonic() + 30
-    while pool.alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 @_LATER
@@ -321,12 +326,11 @@ def test_stock_deepspeed_hangs_where_a_rank_saves_while_the_others_step(ranks, t
     aborts on the mismatch, or both ranks still wait in a collective when the job times out: rank 1 in
     save_checkpoint's, rank 0 in its second step's (each rank's stack is dumped before the timeout)."""
     pool = ranks(2)
-    with pytest.raises((RankFailure, RuntimeError, TimeoutError)) as failure:
-        pool.run(_leave_early, timeout=14, counts=[3, 1], stage=3, where="save_checkpoint", path=str(tmp_path),
-                 stock=True, dump_after=9.0)
-    text = str(failure.value)
+    error = _failed_run(pool, _leave_early, timeout=14, counts=[3, 1], stage=3, where="save_checkpoint",
+                        path=str(tmp_path), stock=True, dump_after=9.0)
+    text = str(error)
     assert "UnevenInputsError" not in text
-    if isinstance(failure.value, TimeoutError):
+    if isinstance(error, TimeoutError):
         assert "finished: []" in text, text
         stacks = {r: _main_stack((tmp_path / f"stack{r}.txt").read_text()) for r in range(2)}
         for rank, stack in stacks.items():
@@ -335,9 +339,6 @@ def test_stock_deepspeed_hangs_where_a_rank_saves_while_the_others_step(ranks, t
         assert not any(frame.endswith(":save_checkpoint") for frame in stacks[0]), stacks[0]
     else:
         assert MISMATCH.search(text) or "died during job" in text, text[:2000]
-    deadline = time.monotonic() + 30
-    while pool.alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _leave_early(counts: list[int], stage: int, where: str, path: str, stock: bool = False,

@@ -27,6 +27,7 @@ from safe_zero.fixes.gradless.planner import Planner
 from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import zero_stage
 from safe_zero.patching import calls, overrides, pass_through, resume
+from safe_zero.rank_progress import default_store
 from safe_zero.session import Session, State, session_for, state_of
 
 
@@ -241,10 +242,10 @@ class ProcessGroupRanks:
 
     @staticmethod
     def meet(key: str, value: int, timeout: float) -> list[int] | None:
-        store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
-        if not torch_dist.is_initialized() or torch_dist.get_world_size() < 2 or store_of is None:
+        store = default_store()
+        if store is None or torch_dist.get_world_size() < 2:
             return [value]
-        store, rank, world = store_of(), torch_dist.get_rank(), torch_dist.get_world_size()
+        rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
         store.set(f"{key}/{rank}", str(value))
         try:
             store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
