@@ -436,3 +436,21 @@ def test_the_module_clock_inlined_in_the_fetch_moves_as_module_clock_enter():
         for _ in r.ran:
             reference.enter(task)
     assert r.follower.boundaries and r.follower.boundaries == follower.boundaries
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_weight_read_twice_in_a_tower_gathered_whole_is_registered_once(world_size):
+    """Issue 48's step-1 regression (Mllama with partitioned parameters: its vision model reads
+    ``self.patch_embedding.weight.dtype``, then ``.device``, before calling ``patch_embedding``). The lockstep gathered
+    the tower whole for the image ranks, so each read registers the weight with the running module; registered twice,
+    it was taken back twice where the text ranks did not read it: ``unregister_external_parameter`` raised
+    ``RuntimeError: Parameter is not a registered external parameter of module.`` on the image ranks."""
+    read = ("read", "tower.0", "weight")
+    image = ["inp", ("tower", [read, read, "tower.0", "tower.1"]), *MIX, "head"]
+    ranks = replay(Tower, forwards(image, ["inp", *MIX, "head"], world_size))
+    check(ranks)
+    for r in ranks:
+        assert kept(r) == {"tower"}, kept(r)
+        assert r.coordinator.is_complete_trace()
+        # what the lockstep registered is taken back: the tower's weight is no external parameter of anything
+        assert all(id(r.modules()["tower.0"].weight) not in m._external_params for m in r.model.modules())

@@ -503,9 +503,12 @@ class AgreesOnModulesWhileRecording:
             # Gathered by the lockstep, so DeepSpeed's access will not register it with the module running, as it does
             # with what it gathers itself (that module's backward gathers it again): registered here instead, and
             # taken back at the end of the forward where not every rank read it (its module is kept gathered then).
+            # Once per reader: a forward may read it again (Mllama's ``patch_embedding.weight.dtype``, then
+            # ``.device``), and a registration is a dictionary entry, taken back once.
             reader = stack[-1]
-            register_external_parameter(reader, param)
-            order.served_reads.append((reader, owner, param))
+            if id(param) not in getattr(reader, "_external_params", {}):
+                register_external_parameter(reader, param)
+                order.served_reads.append((reader, owner, param))
 
     @overrides
     def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
