@@ -8,6 +8,7 @@ VENV        := .venv
 VENV_LEGACY := .venv-ds$(DS_LEGACY)
 VENV_NEWEST := .venv-newest
 VENV_FLOOR  := .venv-floor
+VENV_DIST   := .venv-dist
 EXTRAS      := dev,bench,lightning,accelerate,transformers,examples,trl
 # The extras whose floors `make test-floor` installs together (examples and trl need newer transformers).
 FLOOR_EXTRAS := lightning,accelerate,transformers
@@ -17,7 +18,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR := cpu
 
-.PHONY: demo test lint test-main test-legacy test-newest test-floor lock bench matrix zoo clean
+.PHONY: demo test lint dist test-main test-legacy test-newest test-floor lock bench matrix zoo clean
 
 # One JIT build cache per venv: DeepSpeed builds its CPU comm op under the same name for every release.
 run_pytest = TORCH_EXTENSIONS_DIR=$(abspath $(1))/torch_extensions $(1)/bin/python -m pytest -q $(PYTEST_ARGS)
@@ -38,13 +39,31 @@ $(VENV_LEGACY)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 		'from deepspeed.comm.torch import build_shm_op; build_shm_op()'
 	touch $@
 
+# The sdist and wheel a user installs, built as `pip wheel .` builds (isolated, the wheel from the sdist) and failed on
+# any build warning; the wheel installed (not editable) into a fresh venv, where doctor and a 2-rank ZeRO-3 step run
+# from a directory outside the checkout (scripts/dist_smoke.py checks that the installed package is what ran).
+# PYTHONDONTWRITEBYTECODE is unset for the build only: setuptools warns that it cannot byte-compile under it.
+dist:
+	rm -rf dist $(VENV_DIST)
+	$(PYTHON) -m venv $(VENV_DIST)
+	$(VENV_DIST)/bin/pip install -q -c $(CONSTRAINTS) build
+	env -u PYTHONDONTWRITEBYTECODE $(VENV_DIST)/bin/python -m build --outdir dist . > $(VENV_DIST)/build.log 2>&1 \
+		|| { cat $(VENV_DIST)/build.log; exit 1; }
+	@if grep -i warn $(VENV_DIST)/build.log; then echo 'make dist: the build warned (above)'; exit 1; fi
+	$(VENV_DIST)/bin/pip install -q $(TORCH_PIN)
+	$(VENV_DIST)/bin/pip install -q -c $(CONSTRAINTS) $(TORCH_PIN) deepspeed==$(DS_MAIN) dist/safe_zero-*.whl
+	outside=$$(mktemp -d) && cd $$outside && export TORCH_EXTENSIONS_DIR=$(abspath $(VENV_DIST))/torch_extensions && \
+		$(abspath $(VENV_DIST))/bin/python -m safe_zero doctor && \
+		$(abspath $(VENV_DIST))/bin/python $(abspath scripts/dist_smoke.py) $(CURDIR); \
+		status=$$?; rm -rf $$outside; exit $$status
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m safe_zero demo
 
-# The legacy venv (and its JIT-built comm op) installs while the main leg runs: the tests leave a core idle
-# about a third of the time.
+# The legacy venv (and its JIT-built comm op) installs, then `make dist` runs, while the main leg runs: the tests
+# leave a core idle about a third of the time.
 test: lint
-	$(MAKE) -j2 test-main $(VENV_LEGACY)/.installed
+	$(MAKE) -j2 test-main $(VENV_LEGACY)/.installed dist
 	$(MAKE) test-legacy
 
 # ruff (pycodestyle, pyflakes, complexity <= 10) and mypy on the public API; settings in pyproject.toml.
@@ -74,13 +93,14 @@ test-newest:
 	$(call run_pytest,$(VENV_NEWEST))
 	touch $(VENV_NEWEST)/.green
 
-# Every declared floor at once (scripts/floors.py reads them from pyproject.toml; torch stays at its pin).
+# Every declared floor at once, torch's too (scripts/floors.py reads them from pyproject.toml): PyPI's torch at
+# the floor, a CUDA build that runs on CPU (torch 2.4.0: about 3 GB with its libraries).
 test-floor:
 	rm -rf $(VENV_FLOOR)
 	$(PYTHON) -m venv $(VENV_FLOOR)
 	$(PYTHON) scripts/floors.py $(FLOOR_EXTRAS) > $(VENV_FLOOR)/floors.txt
-	$(VENV_FLOOR)/bin/pip install -q $(TORCH_PIN)
-	$(VENV_FLOOR)/bin/pip install -q -c $(VENV_FLOOR)/floors.txt $(TORCH_PIN) deepspeed -e '.[dev,$(FLOOR_EXTRAS)]'
+	$(VENV_FLOOR)/bin/pip install -q -c $(VENV_FLOOR)/floors.txt torch
+	$(VENV_FLOOR)/bin/pip install -q -c $(VENV_FLOOR)/floors.txt torch deepspeed -e '.[dev,$(FLOOR_EXTRAS)]'
 	$(VENV_FLOOR)/bin/pip freeze --exclude-editable > $(VENV_FLOOR)/resolved.txt
 	$(call run_pytest,$(VENV_FLOOR))
 
@@ -107,4 +127,4 @@ zoo: $(VENV)/.installed
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(VENV)/bin/python -m tests.zoo $(ZOO_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_NEWEST) $(VENV_FLOOR) .venv-matrix .pytest_cache .zoo
+	rm -rf $(VENV) $(VENV_LEGACY) $(VENV_NEWEST) $(VENV_FLOOR) $(VENV_DIST) dist .venv-matrix .pytest_cache .zoo

@@ -1,8 +1,7 @@
 """Print ``name==floor`` for every requirement of the core and the given extras (``make test-floor``'s constraints).
 
-Reads ``pyproject.toml``; a name required by several of them gets the highest floor. torch is left out: only
-the CPU wheel of the tested release installs offline here, so the floor leg keeps the Makefile's torch pin
-(the README lists torch's floor as allowed, not tested).
+Reads ``pyproject.toml``; a name required by several of them gets the highest floor. torch included: the floor
+leg installs PyPI's build of its floor (a CUDA build that runs on CPU).
 
     python scripts/floors.py dev,lightning,accelerate,transformers
 """
@@ -15,7 +14,6 @@ import sys
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNTESTABLE = {"torch"}
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -31,7 +29,7 @@ def floors(extras: list[str]) -> dict[str, str]:
     found: dict[str, str] = {}
     for requirement in requirements:
         match = re.match(r"^([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*[^;]*?>=\s*([0-9][0-9A-Za-z.]*)", requirement)
-        if not match or match.group(1).lower() in UNTESTABLE:
+        if not match:
             continue
         name, floor = match.group(1).lower(), match.group(2)
         if name not in found or _version_key(floor) > _version_key(found[name]):
