@@ -39,6 +39,8 @@ LR = 1e-2
 ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank);
 #: ``tower-skip-later``: every rank carries one in the first step, then rank 1 never again.
+#: ``tower-rotating`` (``tower-reads-rotating``: ``ReadingTower``): every rank carries one in the first step, then the
+#: ranks that do alternate (step 2: the odd ranks, step 3: the even ones).
 #: ``moe-shuffled``: each step every rank's experts move one on, so hooks fire in other orders than in the first step.
 #: ``tower-moving``: the ranks that carry an image change every step.
 #: ``shift``: ``body.shift`` is used by rank 0 in the first step and skipped by some rank in each later one;
@@ -53,6 +55,7 @@ MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "
           "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
           "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
           "tower-all": OptionalTower, "moe-root": RootExperts, "tower-reads": ReadingTower,
+          "tower-rotating": OptionalTower, "tower-reads-rotating": ReadingTower,
           "tower-reads-foreign": ForeignReadingTower, "tower-tied": TiedTower,
           "tower-functional": FunctionalReadingTower, "tower-whole-reads": WholeReadingTower}
 
@@ -78,6 +81,8 @@ def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
         carries = model == "tower-all" or micro == 0
     elif model == "tower-skip-later":
         carries = micro == 0 or rank != 1
+    elif model.endswith("-rotating"):
+        carries = micro == 0 or (rank + micro) % 2 == 0
     else:
         carries = rank % 2 == 0  # odd ranks carry no image
     image = torch.randn(2, 4, generator=g) if carries else None
@@ -714,14 +719,35 @@ def test_zero3_module_order_that_changes_on_every_rank_alike(ranks, safe):
             assert max_error(r, expected) > 1e-4
 
 
-def test_zero3_a_rank_that_skips_a_module_after_the_first_step_stops_instead_of_hanging(ranks):
-    """The trace recorded the tower on every rank; from step 2 rank 1 skips it. Rank 1 waits the configured
-    time for another rank to leave the order too, then raises naming the tower; rank 0 is left in its gather
-    (a launcher ends the job when rank 1 exits; the pool here gives up after its timeout)."""
-    expected = r'rank 1: RankDivergenceError: .*entered `head` where .* has `tower`.*"optional_modules": \["tower"\]'
-    with pytest.raises(TimeoutError, match=expected):
-        ranks.run(2, _train, model="tower-skip-later", safe=True, world_size=2, stage=3,
-                  options={"module_order_timeout": 3}, timeout=60, grace=3)
+def test_stock_zero3_hangs_where_a_rank_skips_a_module_after_the_recorded_step(ranks, tmp_path):
+    """Red on stock: the trace recorded the tower on both ranks; in step 2 rank 1 skips it and every rank waits in a
+    collective the other never makes (on NCCL too: a hang until the job's timeout)."""
+    error, logs = stock_failure(ranks, tmp_path, model="tower-skip-later", safe=False, stage=3, timeout=30)
+    assert isinstance(error, TimeoutError), error
+    for rank, log in logs.items():
+        stack = _main_stack(log)
+        # waiting on a gather: in torch.distributed, or in DeepSpeed's fetch (its handle's wait)
+        assert any(f.endswith(":fetch_sub_module") or "torch/distributed/" in f for f in stack[:8]), (rank, stack[:8])
+
+
+#: ZeRO-3 with prefetching: every gather after the recorded step is planned from its trace, so a shadowing rank's
+#: coordinator must stand exactly where the others' do.
+PREFETCHING = dict(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=20, reduce_bucket_size=12)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("model", ["tower-skip-later", "tower-rotating", "tower-reads-rotating"])
+@pytest.mark.parametrize("zero", [GATHERING, PREFETCHING], ids=["gathering", "prefetching"])
+def test_safe_zero3_is_ddp_exact_where_ranks_skip_a_module_after_the_recorded_step(ranks, model, world_size, zero):
+    """The trace recorded the tower on every rank; later a rank skips it (``tower-rotating``: the ranks that skip it
+    change, and in step 3 at 2 ranks rank 0 skips where it ran in step 2). That rank makes the tower's gathers,
+    forward and backward, without its compute, and hands over zeros for its gradients where the others hand over
+    theirs: DDP-exact, with no setting."""
+    results = ranks.run(world_size, _train, grads=True, model=model, safe=True, world_size=world_size, stage=3,
+                        timeout=90, **zero)
+    expected = reference(model, world_size)
+    for r in results:
+        assert_ddp_exact(r, expected)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

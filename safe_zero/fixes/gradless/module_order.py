@@ -24,6 +24,7 @@ from safe_zero.errors import RankDivergenceError
 from safe_zero.fixes.gradless import FIX
 from safe_zero.fixes.gradless.lockstep import END, module_of, module_to_gather, read_of, skipped_modules
 from safe_zero.fixes.gradless.planner import Planner
+from safe_zero.fixes.gradless.shadow import FETCH, RELEASE, Event, Shadow
 from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import zero_stage
 from safe_zero.patching import calls, overrides, pass_through, resume
@@ -202,8 +203,12 @@ class Phase(enum.Enum):
     LOCKSTEP = "lockstep"
     #: The trace is complete and this forward has followed it so far: nothing to agree on.
     FOLLOWING = "following"
-    #: This forward just left the recorded order: the module entry it left at agrees on it through the store.
+    #: This step just left the recorded order at a module entry: it shadows what this rank skipped up to that module
+    #: (``SHADOWING``), or the ranks agree on it through the store.
     LEFT = "left"
+    #: This step left the recorded order on this rank alone and follows it still: it makes the fetches and releases of
+    #: the recorded modules this rank skips, without their compute (``shadow.Shadow``).
+    SHADOWING = "shadowing"
 
 
 #: The phases in which module entries and reads are agreed on.
@@ -293,6 +298,10 @@ class ModuleOrder:
         self.inside: frozenset[int] | set[int] = frozenset()
         #: Reads the lockstep served this forward: (module running, module read, parameter).
         self.served_reads: list[tuple[nn.Module, nn.Module, nn.Parameter]] = []
+        #: The events of the recorded step, which a rank that skips some of them makes without their compute.
+        self.shadow = Shadow()
+        #: Whether this step's backward makes what is left of the recorded step at its end (an autograd callback).
+        self.rest_queued = False
 
 
 class AgreesBeforeReadingAParameter:
@@ -408,14 +417,24 @@ class AgreesOnModulesWhileRecording:
     @overrides
     def reset_step(self) -> None:
         order = self._safe_zero.module_order
-        if self.is_record_trace() and order.recording:
+        if order.phase is Phase.LEFT and not self.is_invalid_trace():
+            super()._invalidate_trace()  # deferred (_invalidate_trace), and no fetch came to shadow or leave
+        recorded = self.is_record_trace() and bool(order.recording)
+        if recorded:
             order.recorded = order.recording
         super().reset_step()
         order.recording = []
         order.forwards += 1
+        order.rest_queued = False
+        shadow = order.shadow
+        shadow.commit() if recorded else shadow.restart() if self.is_complete_trace() else shadow.discard()
         if order.on:
             order.phase = (Phase.RECORDING if self.is_record_trace() else
                            Phase.FOLLOWING if self.is_complete_trace() else Phase.UNRECORDED)
+            # A recording step records its releases for the shadow; a following one needs the override only for kept
+            # modules (or once it shadows).
+            watch = resume if order.phase is Phase.RECORDING or order.kept else pass_through
+            watch(self, "release_sub_module", AgreesOnModulesWhileRecording)
         order.read = set()
         _watch_reads(order.dicts, self if order.phase is Phase.RECORDING else None)
         self.module_clock.restart()
@@ -426,8 +445,14 @@ class AgreesOnModulesWhileRecording:
     @overrides
     def _invalidate_trace(self) -> None:
         # trace_prologue found the module entered off the recorded order (or hooks were registered again)
-        super()._invalidate_trace()
         order = self._safe_zero.module_order
+        if (order.phase is Phase.FOLLOWING or order.phase is Phase.SHADOWING) and order.shadow.recorded \
+                and order.find_skipped:
+            # Deferred: the fetch that follows shadows what this rank skipped up to that module, if the recorded step
+            # has it further on, else invalidates then (reset_step, if no fetch follows).
+            order.phase = Phase.LEFT
+            return
+        super()._invalidate_trace()
         if order.phase is Phase.FOLLOWING:
             order.phase = Phase.LEFT
         elif order.phase is not Phase.OFF and order.phase is not Phase.LOCKSTEP:  # the root's release settles that
@@ -462,24 +487,78 @@ class AgreesOnModulesWhileRecording:
         order = self._safe_zero.module_order
         if id(current_submodule) in order.kept_modules:
             return
+        phase = order.phase
+        if phase is Phase.LEFT or phase is Phase.SHADOWING:  # off the recorded order in this step
+            phase = self._shadow_up_to(Event(FETCH, current_submodule.ds_id, forward))
         # ``self.module_clock.enter(task)``, inlined: it runs per module entry.
         clock = self.module_clock
         position, planner, task = clock.position, clock.planner, torch._C._current_graph_task_id()
         if planner is not None and task != -1 and (position >= planner.wake_at or task != planner.wake_task):
             clock.at_boundary(position, task)
         clock.position = position + 1
-        phase = order.phase
-        if phase is Phase.LEFT:  # trace_prologue just left the recorded order
+        if phase is Phase.LEFT:  # trace_prologue just left the recorded order, and no shadow gets this rank back
             order.phase = Phase.UNRECORDED
             self._agree_on_leaving_the_trace(current_submodule, position)
             clock.left_order()
-        elif forward and phase in AGREEING:
+        elif phase in AGREEING:
+            order.shadow.record(Event(FETCH, current_submodule.ds_id, forward))
             # Modules whose parameters are all zero-element gather nothing: no agreement either.
-            params = [p for p in _module_params(current_submodule) if p.ds_numel > 0]
+            params = [p for p in _module_params(current_submodule) if p.ds_numel > 0] if forward else None
             if params:
                 order.group = params[0].ds_process_group
                 self._agree_on_module(current_submodule.ds_id, params)
         super().fetch_sub_module(current_submodule, forward)
+
+    def _shadow_up_to(self, event: Event) -> Phase:
+        """This rank's own ``event`` in a step that left the recorded order here (``LEFT``) or before (``SHADOWING``):
+        first make the recorded events this rank skipped before it, as every rank that runs them makes them. Returns
+        the phase ``event`` goes on in: ``LEFT`` where the recorded step has no such event ahead (this rank runs a
+        module more often than that step did), and the trace is invalidated then."""
+        order = self._safe_zero.module_order
+        shadow = order.shadow
+        if not shadow.shadowing:
+            shadow.start(self.module_clock.position, self._still_held)
+            resume(self, "release_sub_module", AgreesOnModulesWhileRecording)
+        missed = shadow.catch_up(event)
+        if missed is None:
+            if event.kind == RELEASE:  # a release changes nothing another rank sees: DeepSpeed's own, as it comes
+                return order.phase
+            shadow.discard()
+            super()._invalidate_trace()
+            order.phase = Phase.LEFT
+            return Phase.LEFT
+        if not order.rest_queued and torch._C._current_graph_task_id() != -1:
+            # What the recorded backward makes after this rank's last event: at the end of this backward, inside it
+            # (its module entries wake the optimizer's walk, which asks autograd what this backward reaches).
+            order.rest_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._shadow_the_rest)
+        self._make(missed)
+        return Phase.SHADOWING
+
+    def _make(self, events: list[Event]) -> None:
+        """Make ``events`` as DeepSpeed's hooks would, without the compute: through the whole coordinator, on the
+        plain path of a step that follows the recorded order."""
+        order = self._safe_zero.module_order
+        order.phase = Phase.FOLLOWING
+        try:
+            for kind, module_id, forward in events:
+                module = order.modules[module_id][1]
+                if kind == FETCH:
+                    self.fetch_sub_module(module, forward)
+                else:
+                    self.release_sub_module(module, forward)
+        finally:
+            order.phase = Phase.SHADOWING
+
+    def _shadow_the_rest(self) -> None:
+        order = self._safe_zero.module_order
+        if order.phase is Phase.SHADOWING:
+            self._make(order.shadow.rest())
+
+    def _still_held(self, event: Event) -> bool:
+        """Whether ``event``'s module (a release) still holds its parameters as fetched on this rank."""
+        module = self._safe_zero.module_order.modules[event.module][1]
+        return any(event.module in p.ds_active_sub_modules for p in _module_params(module))
 
     def agree_on_read(self, owner: nn.Module, param: nn.Parameter) -> None:
         """A recording forward reads ``param`` of ``owner`` outside ``owner``'s entry. Not gathered: DeepSpeed is about
@@ -515,6 +594,10 @@ class AgreesOnModulesWhileRecording:
         order = self._safe_zero.module_order
         if id(submodule) in order.kept_modules:
             return
+        if order.phase is Phase.SHADOWING:
+            self._shadow_up_to(Event(RELEASE, submodule.ds_id, forward))
+        elif order.phase in AGREEING:
+            order.shadow.record(Event(RELEASE, submodule.ds_id, forward))
         # While DeepSpeed records it releases persistent parameters too: a kept one that this module shares (a weight
         # tied to a module some ranks skip) stays gathered, or the kept module would read it released on its ranks.
         kept = order.kept

@@ -1,0 +1,106 @@
+"""A rank that skips what DeepSpeed's recorded ZeRO-3 module order has -- a tower its data does not need, a modality
+run fewer times than in the recorded step -- shadows it: it makes those modules' fetches and releases without their
+compute, so its gathers stay the recorded order's, as every other rank's do (docs/rank_agreement.md, "Shadowing").
+
+Pure logic, no torch: ``module_order.AgreesOnModulesWhileRecording`` records the events of the forward and backward
+DeepSpeed records its trace in, hands over each of this rank's own events once it has left that order, and carries
+out the events returned; the tests replay per-rank event sequences through it in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+#: The kinds of :class:`Event`: a module's fetch (DeepSpeed's ``fetch_sub_module``, one per entry of its trace) and
+#: its release (``release_sub_module``).
+FETCH, RELEASE = 0, 1
+
+
+class Event(NamedTuple):
+    """One call DeepSpeed's hooks make on the coordinator: ``kind`` of module ``module`` (its ``ds_id``), in a forward
+    (``True``, a checkpointed block's recomputation included) or a backward."""
+
+    kind: int
+    module: int
+    forward: bool
+
+
+class Shadow:
+    """The events of the recorded step, and where this rank's step stands among them once it left them.
+
+    While a step follows the recorded order nothing is tracked (no cost). At this rank's first event off it,
+    :meth:`start` finds its place from DeepSpeed's step (the fetches made so far); from then on each own event is
+    looked up ahead (:meth:`catch_up`), and what lies before it is carried out first; :meth:`rest` is what is left at
+    the end of the backward. An event not found ahead means this rank runs something the recorded step did not (more
+    runs of a module than recorded): only the ranks together can handle that (``None``).
+    """
+
+    def __init__(self) -> None:
+        self._recording: list[Event] = []
+        #: The events of the step DeepSpeed's trace was recorded in, and the index of each of its fetches there.
+        self.recorded: tuple[Event, ...] = ()
+        self._fetches: tuple[int, ...] = ()
+        #: Where this step stands in :attr:`recorded` once it left the order (``None``: it follows the order).
+        self.cursor: int | None = None
+        #: Releases before :attr:`cursor`'s first fetch this rank made already (skipped when caught up).
+        self._done: frozenset[int] = frozenset()
+
+    # -- recording -----------------------------------------------------------------------------------------------
+
+    def record(self, event: Event) -> None:
+        """An event of the step being recorded."""
+        self._recording.append(event)
+
+    def commit(self) -> None:
+        """The step just recorded is DeepSpeed's trace from now on (every rank's alike: DeepSpeed checked)."""
+        self.recorded = tuple(self._recording)
+        self._fetches = tuple(i for i, e in enumerate(self.recorded) if e.kind == FETCH)
+        self.restart()
+
+    def discard(self) -> None:
+        """No trace to follow (DeepSpeed invalidated it) until a step is recorded again."""
+        self.recorded, self._fetches = (), ()
+        self.restart()
+
+    def restart(self) -> None:
+        """A new step begins (``reset_step``): recorded again from scratch, or followed."""
+        self._recording = []
+        self.cursor = None
+        self._done = frozenset()
+
+    # -- following -----------------------------------------------------------------------------------------------
+
+    @property
+    def shadowing(self) -> bool:
+        return self.cursor is not None
+
+    def start(self, fetched: int, still_held: Callable[[Event], bool]) -> None:
+        """This rank leaves the recorded order after ``fetched`` fetches: its events so far were the recorded ones,
+        except releases after the last fetch that it has not made yet (``still_held``: the module is still fetched)."""
+        self.cursor = self._fetches[fetched - 1] + 1 if fetched else 0
+        end = self._fetches[fetched] if fetched < len(self._fetches) else len(self.recorded)
+        self._done = frozenset(i for i in range(self.cursor, end)
+                               if self.recorded[i].kind == RELEASE and not still_held(self.recorded[i]))
+
+    def catch_up(self, event: Event) -> list[Event] | None:
+        """This rank's own ``event``, after it left the order: the recorded events before its next occurrence, to carry
+        out first (none where it is next); ``None`` where it does not occur again (the cursor stays)."""
+        assert self.cursor is not None
+        recorded = self.recorded
+        for i in range(self.cursor, len(recorded)):
+            if recorded[i] == event and i not in self._done:
+                missed = [recorded[j] for j in range(self.cursor, i) if j not in self._done]
+                self.cursor = i + 1
+                return missed
+        return None
+
+    def rest(self) -> list[Event]:
+        """The recorded events this rank has not made, at the end of its backward (the cursor moves past them)."""
+        if self.cursor is None:
+            return []
+        missed = [self.recorded[j] for j in range(self.cursor, len(self.recorded)) if j not in self._done]
+        self.cursor = len(self.recorded)
+        return missed
+
+
+__all__ = ["FETCH", "RELEASE", "Event", "Shadow"]
