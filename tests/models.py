@@ -305,6 +305,18 @@ class OptionalTower(nn.Module):
         return (self.head(self._features(x, image)) - y).pow(2).mean()
 
 
+class VideoTower(OptionalTower):
+    """``OptionalTower`` that also takes a video, through the same tower (Qwen-VL's vision tower runs once per
+    modality): a rank with an image and a video runs the tower twice, one with either once, one with neither never."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None,
+                video: torch.Tensor | None = None) -> torch.Tensor:
+        h = self._features(x, image)
+        if video is not None:
+            h = h + self.tower(video)
+        return (self.head(h) - y).pow(2).mean()
+
+
 class _PatchEmbed(nn.Module):
     """Reads its child's weight before calling it, as transformers' Qwen2-VL, SigLIP and Pixtral patch embeddings do
     (``target_dtype = self.proj.weight.dtype``): no parameters of its own."""

@@ -124,3 +124,11 @@ def test_modules_every_rank_enters_in_another_order_are_not_skipped():
 def test_the_outermost_skipped_module_stands_for_what_it_holds():
     assert skipped_modules([entered(["lm.embed", "tower.patch", "tower.blocks.0"]), entered(["lm.embed"])]) == ["tower"]
     assert skipped_modules([{"", "a", "a.b"}, {"", "a"}, {"", "a", "a.c"}]) == ["a.b", "a.c"]
+
+
+def test_a_module_run_a_different_number_of_times_is_kept_gathered():
+    """An image and a video through one tower on rank 0, an image on rank 1: both entered it, not as often."""
+    entered = [{"", "tower", "tower.0", "head"}] * 2
+    runs = [{"": 1, "tower": 2, "tower.0": 2, "head": 1}, {"": 1, "tower": 1, "tower.0": 1, "head": 1}]
+    assert skipped_modules(entered, (), (), runs) == ["tower"]
+    assert skipped_modules(entered, (), (), [runs[0], runs[0]]) == []

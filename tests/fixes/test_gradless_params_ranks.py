@@ -29,7 +29,7 @@ from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
 from tests.models import (CheckpointedMoE, ExpertMoE, ForeignReadingTower, FunctionalReadingTower, LateCheckpointedMoE,
                           MovingScale, NonReentrantCheckpointedMoE, OptionalTower, ReadingTower, RootExperts,
-                          SometimesShifted, TiedTower, WholeReadingTower, build, expert_batch)
+                          SometimesShifted, TiedTower, VideoTower, WholeReadingTower, build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -41,6 +41,8 @@ ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``tower-skip-later``: every rank carries one in the first step, then rank 1 never again.
 #: ``tower-rotating`` (``tower-reads-rotating``: ``ReadingTower``): every rank carries one in the first step, then the
 #: ranks that do alternate (step 2: the odd ranks, step 3: the even ones).
+#: ``video-first`` (``VideoTower``): rank 0 carries an image and a video in the first step, the others an image; then
+#: the ranks' runs of the tower change (``VIDEO_RUNS``). ``video-later``: every rank carries an image in the first step.
 #: ``moe-shuffled``: each step every rank's experts move one on, so hooks fire in other orders than in the first step.
 #: ``tower-moving``: the ranks that carry an image change every step.
 #: ``shift``: ``body.shift`` is used by rank 0 in the first step and skipped by some rank in each later one;
@@ -56,8 +58,32 @@ MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "
           "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
           "tower-all": OptionalTower, "moe-root": RootExperts, "tower-reads": ReadingTower,
           "tower-rotating": OptionalTower, "tower-reads-rotating": ReadingTower,
+          "video-first": VideoTower, "video-later": VideoTower,
           "tower-reads-foreign": ForeignReadingTower, "tower-tied": TiedTower,
           "tower-functional": FunctionalReadingTower, "tower-whole-reads": WholeReadingTower}
+
+
+#: Per step, each rank's runs of ``VideoTower``'s tower (rank 3 takes rank 0's): 2 an image and a video, 1 an image, 0
+#: text only.
+VIDEO_RUNS = {"video-first": [(2, 1, 1), (1, 2, 0), (0, 1, 2)], "video-later": [(1, 1, 1), (1, 2, 0), (2, 0, 1)]}
+
+
+def _carries_an_image(model: str, rank: int, micro: int) -> bool:
+    if model == "tower-moving":
+        return (rank + micro) % 2 == 0
+    if model in ("tower-all", "tower-late"):
+        return model == "tower-all" or micro == 0
+    if model == "tower-skip-later":
+        return micro == 0 or rank != 1
+    if model.endswith("-rotating"):
+        return micro == 0 or (rank + micro) % 2 == 0
+    return rank % 2 == 0  # odd ranks carry no image
+
+
+def _video_batch(model: str, rank: int, micro: int, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple:
+    runs = VIDEO_RUNS[model][micro % STEPS][rank % 3]
+    image = torch.randn(2, 4, generator=g) if runs >= 1 else None
+    return x, y, image, torch.randn(2, 4, generator=g) if runs == 2 else None
 
 
 def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
@@ -71,21 +97,13 @@ def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
         return expert_batch(ROUTES[world_size][rank], seed)
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
+    if model.startswith("video"):
+        return _video_batch(model, rank, micro, x, y, g)
     if model.startswith("shift"):
         return x, y, model == "shift-all" or (rank + micro) % 3 != (0 if model == "shift-later" else 2)
     if model.startswith("moving"):
         return x, y, micro % 2 == 1 and (model == "moving" or rank == 1)
-    if model == "tower-moving":
-        carries = (rank + micro) % 2 == 0
-    elif model in ("tower-all", "tower-late"):
-        carries = model == "tower-all" or micro == 0
-    elif model == "tower-skip-later":
-        carries = micro == 0 or rank != 1
-    elif model.endswith("-rotating"):
-        carries = micro == 0 or (rank + micro) % 2 == 0
-    else:
-        carries = rank % 2 == 0  # odd ranks carry no image
-    image = torch.randn(2, 4, generator=g) if carries else None
+    image = torch.randn(2, 4, generator=g) if _carries_an_image(model, rank, micro) else None
     return x, y, image
 
 
@@ -730,13 +748,24 @@ def test_stock_zero3_hangs_where_a_rank_skips_a_module_after_the_recorded_step(r
         assert any(f.endswith(":fetch_sub_module") or "torch/distributed/" in f for f in stack[:8]), (rank, stack[:8])
 
 
+def test_safe_zero3_stops_where_a_rank_runs_a_module_more_often_than_the_recorded_step(ranks):
+    """The recorded step ran the tower once on every rank; in step 2 rank 1 runs it for an image and a video. No
+    shadow covers a run the others do not make: rank 1 waits the configured time for the others to leave the order
+    too, then raises naming the tower and the setting that keeps it gathered (rank 0 is left in its gather, until a
+    launcher ends the job)."""
+    expected = r'rank 1: RankDivergenceError: .*entered `tower` where .* has `head`.*"optional_modules": \["tower"\]'
+    with pytest.raises(TimeoutError, match=expected):
+        ranks.run(2, _train, model="video-later", safe=True, world_size=2, stage=3,
+                  options={"module_order_timeout": 3}, timeout=60, grace=3, **GATHERING)
+
+
 #: ZeRO-3 with prefetching: every gather after the recorded step is planned from its trace, so a shadowing rank's
 #: coordinator must stand exactly where the others' do.
 PREFETCHING = dict(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=20, reduce_bucket_size=12)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("model", ["tower-skip-later", "tower-rotating", "tower-reads-rotating"])
+@pytest.mark.parametrize("model", ["tower-skip-later", "tower-rotating", "tower-reads-rotating", "video-first"])
 @pytest.mark.parametrize("zero", [GATHERING, PREFETCHING], ids=["gathering", "prefetching"])
 def test_safe_zero3_is_ddp_exact_where_ranks_skip_a_module_after_the_recorded_step(ranks, model, world_size, zero):
     """The trace recorded the tower on every rank; later a rank skips it (``tower-rotating``: the ranks that skip it

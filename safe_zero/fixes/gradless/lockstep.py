@@ -49,17 +49,24 @@ def _partial(per_rank: Sequence[Iterable[str]]) -> set[str]:
     return set.union(*sets) - set.intersection(*sets)
 
 
+def _runs_differ(runs: Sequence[Mapping[str, int]]) -> set[str]:
+    names = set().union(*runs)
+    return {name for name in names if len({counts.get(name, 0) for counts in runs}) > 1}
+
+
 def skipped_modules(entered: Sequence[Iterable[str]], alternatives: Iterable[str] = (),
-                    read: Sequence[Iterable[str]] = ()) -> list[str]:
-    """The outermost modules (qualified names) that some ranks entered in a forward and others did not, or whose
-    parameters some ranks read from outside them and others did not.
+                    read: Sequence[Iterable[str]] = (), runs: Sequence[Mapping[str, int]] = ()) -> list[str]:
+    """The outermost modules (qualified names) that some ranks entered in a forward and others did not, entered a
+    different number of times, or whose parameters some ranks read from outside them and others did not.
 
     ``entered``: per rank, the modules its forward entered (hooks fired); ``read``: per rank, the modules whose
-    parameters it read outside their own entry (``read_of``). A member of one of the ``alternatives`` (an
+    parameters it read outside their own entry (``read_of``); ``runs``: per rank, how often it entered each module
+    (a tower run once for an image and once for a video). A member of one of the ``alternatives`` (an
     ``nn.ModuleList``/``ModuleDict`` of experts, which the forward indexes but never calls) stands for the whole
     container: another member may be skipped by other ranks next time.
     """
-    partial, alternatives = _partial(entered) | (_partial(read) if read else set()), set(alternatives)
+    partial = _partial(entered) | (_partial(read) if read else set()) | (_runs_differ(runs) if runs else set())
+    alternatives = set(alternatives)
     found: set[str] = set()
     for name in partial:
         while name and _parent(name) in partial:

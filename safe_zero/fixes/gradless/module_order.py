@@ -3,6 +3,7 @@ blocks gathered whole (docs/rank_agreement.md)."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import enum
 import itertools
@@ -158,11 +159,14 @@ def _left_alone_message(names: dict[int, str], module: nn.Module, expected: int 
     other = names.get(expected, f"module #{expected}") if expected is not None else None
     ran = f"`{other}`, which" if other else "the module that"
     candidates = _skippable_candidates([name] + ([other] if other else []))
+    # What a rank skips it shadows (shadow.py): what reaches here is a module this rank runs more often than the
+    # recorded step did (an image and a video through one tower), or one that step never ran.
     return (f"under ZeRO-3 this rank entered `{name}` where DeepSpeed's recorded module order has {ran} the other "
-            f"ranks are running now: no other rank left the order within {timeout:g} s, so their parameter "
-            "gathers no longer match this rank's (stock DeepSpeed hangs here). If the model skips a module for "
-            "some inputs (an optional tower, a conditional adapter), list it in the DeepSpeed config: "
-            f'"safe_zero": {{"optional_modules": ["{candidates[-1]}"]}} (one of {candidates}); its parameters '
+            f"ranks are running now, and the recorded step runs `{name}` no further time that this rank could "
+            f"follow: no other rank left the order within {timeout:g} s, so their parameter gathers no longer match "
+            "this rank's (stock DeepSpeed hangs here). If the model runs a module more often for some inputs (one "
+            "tower for images and videos), list it in the DeepSpeed config: "
+            f'"safe_zero": {{"optional_modules": ["{candidates[0]}"]}} (one of {candidates}); its parameters '
             'then stay gathered on every rank. ("safe_zero": {"module_order_timeout": seconds} sets the wait.) If '
             "instead this rank ran out of batches while the others still train (uneven inputs), run the loop inside "
             "torch's Join([engine]) (docs/uneven_inputs.md).")
@@ -183,6 +187,9 @@ def _divergence_message(names_by_id: dict[int, str], ids: list[int]) -> str:
 
 #: The flags of a module in the end-of-forward exchange (:meth:`AgreesOnModulesWhileRecording._entered_by_rank`).
 ENTERED, READ = 1, 2
+#: The rest of the byte: how often the module was entered (a tower run once per image and once per video), up to
+#: ``MAX_RUNS``.
+RUNS_SHIFT, MAX_RUNS = 2, 63
 #: Held in a kept parameter's ``ds_active_sub_modules`` while a module that shares it is released: DeepSpeed releases
 #: only parameters no module is using.
 _KEPT = -1
@@ -689,8 +696,8 @@ class AgreesOnModulesWhileRecording:
         self._leave_whole(order.wholes)  # modules only read, never entered
         if not order.kept:
             pass_through(self, "release_sub_module", AgreesOnModulesWhileRecording)
-        entered, read = self._entered_by_rank()
-        skipped = skipped_modules(entered, order.alternatives, read)
+        entered, read, runs = self._entered_by_rank()
+        skipped = skipped_modules(entered, order.alternatives, read, runs)
         # A read some ranks made only keeps its module gathered (``skipped``): the reading module's fetch list is the
         # same on every rank again.
         everyone = set.intersection(*read)
@@ -705,16 +712,17 @@ class AgreesOnModulesWhileRecording:
         if not self.is_invalid_trace():
             self._invalidate_trace()  # this forward's order differs between the ranks: record it again
 
-    def _entered_by_rank(self) -> tuple[list[set[str]], list[set[str]]]:
-        """Per rank, the names of the modules this recording forward entered, and of those whose parameters it read
-        from outside (a collective of one element per module)."""
+    def _entered_by_rank(self) -> tuple[list[set[str]], list[set[str]], list[dict[str, int]]]:
+        """Per rank, the names of the modules this recording forward entered, of those whose parameters it read
+        from outside, and how often it entered each (a collective of one byte per module)."""
         order = self._safe_zero.module_order
         mine = [0] * len(order.order)
-        for i in set(order.recording):
-            mine[order.order[i]] = ENTERED
+        for i, runs in collections.Counter(order.recording).items():
+            mine[order.order[i]] = ENTERED | min(runs, MAX_RUNS) << RUNS_SHIFT
         for i in order.read:
             mine[order.order[i]] |= READ
         names = [name for name, _ in order.modules.values()]
         everyone = order.ranks.all_gather(order.group, mine, bits=8)
         return ([{names[i] for i, flags in enumerate(row) if flags & ENTERED} for row in everyone],
-                [{names[i] for i, flags in enumerate(row) if flags & READ} for row in everyone])
+                [{names[i] for i, flags in enumerate(row) if flags & READ} for row in everyone],
+                [{names[i]: flags >> RUNS_SHIFT for i, flags in enumerate(row) if flags & ENTERED} for row in everyone])
