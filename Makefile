@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 
 export DS_ACCELERATOR := cpu
 
-.PHONY: demo test lint dist test-main test-legacy test-newest test-floor lock bench matrix zoo clean
+.PHONY: demo test lint dist test-main test-legacy test-newest test-floor lock bench matrix torch-matrix zoo clean
 
 # One JIT build cache per venv: DeepSpeed builds its CPU comm op under the same name for every release.
 run_pytest = TORCH_EXTENSIONS_DIR=$(abspath $(1))/torch_extensions $(1)/bin/python -m pytest -q $(PYTEST_ARGS)
@@ -119,6 +119,10 @@ bench: $(VENV)/.installed
 
 matrix:
 	$(PYTHON) scripts/matrix.py
+
+# A subset of the suite on the torch releases between the floor and CI's (scripts/torch_matrix.py says which).
+torch-matrix:
+	$(PYTHON) scripts/torch_matrix.py
 
 # Every architecture the installed transformers ships, stock and safe_zero, ZeRO-2/3: writes docs/zoo.md (CI runs a
 # subset, tests/zoo/test_zoo.py). Rows already measured on the same versions are kept in .zoo/ (ZOO_ARGS=--fresh).

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from typing import Callable
 
 from packaging.version import Version
 
@@ -44,13 +45,14 @@ def _sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
 
 
-def _venv(release: str) -> str | None:
-    venv = os.path.join(ROOT, ".venv-matrix", f"ds-{release}")
+def _venv(name: str, torch: str, requirements: list[str]) -> str | None:
+    """``.venv-matrix/<name>``'s python, with ``torch`` installed first, then it again with ``requirements``."""
+    venv = os.path.join(ROOT, ".venv-matrix", name)
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(os.path.join(venv, ".installed")):
         steps = [[sys.executable, "-m", "venv", venv],
-                 [python, "-m", "pip", "install", "-q", TORCH_PIN],
-                 [python, "-m", "pip", "install", "-q", TORCH_PIN, f"deepspeed=={release}", "-e", ".[dev]"]]
+                 [python, "-m", "pip", "install", "-q", torch],
+                 [python, "-m", "pip", "install", "-q", torch, *requirements]]
         for step in steps:
             if _sh(step).returncode != 0:
                 return None
@@ -93,27 +95,29 @@ def _commit() -> str:
     head = _sh(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
     # The files this script writes do not count as changes to what it measured.
     dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{MATRIX_DOC}",
-                 ":!scripts/matrix.md"]).stdout.strip()
+                 ":!scripts/matrix.md", ":!scripts/torch_matrix.md"]).stdout.strip()
     return head + ("+changes" if dirty else "")
 
 
-def _kept_row(release: str) -> dict[str, str]:
-    """This release's row: reused if ``MATRIX_REUSE`` is set and it was measured at this commit, else run."""
-    path = os.path.join(ROOT, ".venv-matrix", f"ds-{release}", "row.json")
+def _kept_row(name: str, run: Callable[[], dict[str, str]]) -> dict[str, str]:
+    """The row of ``.venv-matrix/<name>``: reused if ``MATRIX_REUSE`` is set and it was measured at this commit, else
+    ``run()``."""
+    path = os.path.join(ROOT, ".venv-matrix", name, "row.json")
     commit = _commit()
     if os.environ.get("MATRIX_REUSE") and os.path.exists(path):
         kept = json.load(open(path))
         if kept["commit"] == commit and "+changes" not in commit:
             return kept["cells"]
-    cells = _row(release)
+    cells = run()
     if os.path.isdir(os.path.dirname(path)):
         with open(path, "w") as f:
             json.dump({"commit": commit, "cells": cells}, f)
     return cells
 
 
-def _row(release: str) -> dict[str, str]:
-    python = _venv(release)
+def _row(python: str | None, tests: list[str]) -> dict[str, str]:
+    """Doctor's probes and one pytest session over ``tests`` in the venv of ``python``: a cell per fix, one for the
+    rest."""
     if python is None:
         return {"*": "install failed"}
     env = {**os.environ, "DS_ACCELERATOR": "cpu",
@@ -123,7 +127,7 @@ def _row(release: str) -> dict[str, str]:
         return {"*": "import failed: " + (doctor.stderr.strip().splitlines() or ["?"])[-1][:80]}
     fixes = json.loads(doctor.stdout[doctor.stdout.index("{"):])["fixes"]
     junit = os.path.join(os.path.dirname(os.path.dirname(python)), "junit.xml")
-    _sh([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "tests"], env=env)
+    _sh([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests], env=env)
     if not os.path.exists(junit):
         return {"*": "pytest did not run"}
     per_file = _outcomes(junit)
@@ -143,19 +147,20 @@ def _row(release: str) -> dict[str, str]:
     return cells
 
 
-def _write_readme(table: str) -> None:
+def _write_readme(table: str, start: str = README_START, end: str = README_END) -> None:
     path = os.path.join(ROOT, MATRIX_DOC)
     text = open(path).read()
-    if README_START in text and README_END in text:
-        head, rest = text.split(README_START, 1)
-        text = head + README_START + "\n" + table + "\n" + README_END + rest.split(README_END, 1)[1]
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + start + "\n" + table + "\n" + end + rest.split(end, 1)[1]
         with open(path, "w") as f:
             f.write(text)
 
 
-def _table(rows: dict[str, dict[str, str]], minutes: float) -> str:
+def _table(rows: dict[str, dict[str, str]], minutes: float, axis: str = "DeepSpeed",
+           ran_on: str = "torch 2.13.0 CPU build", other: str = OTHER) -> str:
     names = sorted({name for cells in rows.values() for name in cells if name not in ("*", OTHER)}) + [OTHER]
-    lines = ["| DeepSpeed | " + " | ".join(f"`{n}`" if n != OTHER else n for n in names) + " |",
+    lines = [f"| {axis} | " + " | ".join(f"`{n}`" if n != OTHER else other for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
     for release, cells in sorted(rows.items(), key=lambda item: Version(item[0])):
         lines.append(f"| {release} | " + " | ".join(cells.get(n, cells.get("*", "-")) for n in names) + " |")
@@ -164,7 +169,7 @@ def _table(rows: dict[str, dict[str, str]], minutes: float) -> str:
               "that safe_zero trains. Skipped tests need Lightning/Accelerate/Transformers (not installed here) "
               "or a route this release does not have.",
               f"Last run: {time.strftime('%Y-%m-%d')} at commit {_commit()}, {platform.machine()}, {os.cpu_count()} "
-              f"CPUs, torch 2.13.0 CPU build, CPU/gloo, {minutes:.0f} min."]
+              f"CPUs, {ran_on}, CPU/gloo, {minutes:.0f} min."]
     return "\n".join(lines)
 
 
@@ -172,7 +177,8 @@ def main() -> int:
     started = time.time()
     rows: dict[str, dict[str, str]] = {}
     for release in RELEASES:
-        rows[release] = _kept_row(release)
+        rows[release] = _kept_row(f"ds-{release}", lambda: _row(
+            _venv(f"ds-{release}", TORCH_PIN, [f"deepspeed=={release}", "-e", ".[dev]"]), ["tests"]))
         print(f"DeepSpeed {release}: {rows[release]}", flush=True)
         # Written after every release, so an interrupted run still leaves what it measured.
         table = _table(rows, (time.time() - started) / 60)
@@ -180,8 +186,13 @@ def main() -> int:
             f.write(table + "\n")
         _write_readme(table)
     print(table)
-    broken = re.compile(r"\d+ failed|install failed|import failed|did not run|none ran")
-    return 1 if any(broken.search(c) for cells in rows.values() for c in cells.values()) else 0
+    return 1 if broken(rows) else 0
+
+
+def broken(rows: dict[str, dict[str, str]]) -> bool:
+    """Whether a test failed, or a release did not install, import or run, in any row."""
+    failed = re.compile(r"\d+ failed|install failed|import failed|did not run|none ran")
+    return any(failed.search(c) for cells in rows.values() for c in cells.values())
 
 
 if __name__ == "__main__":
