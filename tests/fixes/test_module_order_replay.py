@@ -400,11 +400,34 @@ def test_ranks_that_agree_make_one_agreement_per_module_in_the_first_forward_onl
         assert kept(r) == set()
 
 
-def test_a_rank_that_leaves_the_recorded_order_alone_stops_naming_the_modules():
-    """After two steps alike, rank 1 skips ``mix`` (DeepSpeed's trace is complete): it posts to the store, no
-    other rank does, and it raises instead of hanging in its next gather (rank 0 is left waiting, as it would be)."""
+def test_a_rank_that_skips_a_module_after_the_recorded_order_shadows_it():
+    """After two steps alike, rank 1 skips ``mix`` (DeepSpeed's trace is complete): it makes ``mix``'s gathers,
+    forward and backward, without running it, so every gather meets the others'; nothing is kept gathered and no
+    store wait is made."""
     alike = ["inp", *MIX, "head"]
-    ranks = replay(Tower, [[alike] * 3, [alike, alike, ["inp", "head"]]], module_order_timeout=0.2)
+    ranks = replay(Tower, [[alike] * 4, [alike, alike, ["inp", "head"], alike]], module_order_timeout=0.2)
+    check(ranks)
+    for r in ranks:
+        assert r.coordinator.is_complete_trace() and kept(r) == set()
+        assert r.coordinator._safe_zero.module_order.shadow.recorded
+
+
+def test_a_rank_that_skips_the_first_module_shadows_its_backward_at_the_end():
+    """``inp`` runs first, so its backward comes last: what rank 1 skipped there it makes at the end of its backward
+    (an autograd callback, inside the backward)."""
+    alike = ["inp", *MIX, "head"]
+    ranks = replay(Tower, [[alike] * 3, [alike, alike, [*MIX, "head"]]], module_order_timeout=0.2)
+    check(ranks)
+    for r in ranks:
+        assert r.coordinator.is_complete_trace() and kept(r) == set()
+        assert r.coordinator._safe_zero.module_order.shadow.recorded
+
+
+def test_a_rank_that_runs_a_module_the_recorded_order_does_not_have_stops_naming_the_modules():
+    """After two steps alike without ``mix``, rank 1 runs it: no shadow covers that. It posts to the store, no other
+    rank does, and it raises instead of hanging in its next gather (rank 0 is left waiting, as it would be)."""
+    alike = ["inp", "head"]
+    ranks = replay(Tower, [[alike] * 3, [alike, alike, ["inp", *MIX, "head"]]], module_order_timeout=0.2)
     assert isinstance(ranks[1].error, RankDivergenceError), ranks[1].error
     assert "`head`" in str(ranks[1].error) and "`mix`" in str(ranks[1].error)
     assert "Join([engine])" in str(ranks[1].error)  # a rank that ran out of batches looks the same from here

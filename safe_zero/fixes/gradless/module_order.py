@@ -603,7 +603,7 @@ class AgreesOnModulesWhileRecording:
             return
         if order.phase is Phase.SHADOWING:
             self._shadow_up_to(Event(RELEASE, submodule.ds_id, forward))
-        elif order.phase in AGREEING:
+        elif order.phase in AGREEING and _module_params(submodule):  # a release without parameters changes nothing
             order.shadow.record(Event(RELEASE, submodule.ds_id, forward))
         # While DeepSpeed records it releases persistent parameters too: a kept one that this module shares (a weight
         # tied to a module some ranks skip) stays gathered, or the kept module would read it released on its ranks.

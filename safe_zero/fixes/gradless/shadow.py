@@ -75,12 +75,22 @@ class Shadow:
         return self.cursor is not None
 
     def start(self, fetched: int, still_held: Callable[[Event], bool]) -> None:
-        """This rank leaves the recorded order after ``fetched`` fetches: its events so far were the recorded ones,
-        except releases after the last fetch that it has not made yet (``still_held``: the module is still fetched)."""
+        """This rank leaves the recorded order after ``fetched`` fetches: its fetches so far were the recorded ones,
+        and of the modules they left open, those it has released already (``still_held`` says no) are not released
+        again (their next release ahead is done; a rank that skips a module's last child releases the module before
+        the others fetch that child)."""
         self.cursor = self._fetches[fetched - 1] + 1 if fetched else 0
-        end = self._fetches[fetched] if fetched < len(self._fetches) else len(self.recorded)
-        self._done = frozenset(i for i in range(self.cursor, end)
-                               if self.recorded[i].kind == RELEASE and not still_held(self.recorded[i]))
+        opened: dict[tuple[int, bool], int] = {}
+        for kind, module, forward in self.recorded[:self.cursor]:
+            opened[module, forward] = opened.get((module, forward), 0) + (1 if kind == FETCH else -1)
+        released = {key for key, count in opened.items() if count > 0 and not still_held(Event(RELEASE, *key))}
+        done = set()
+        for i in range(self.cursor, len(self.recorded)):
+            kind, module, forward = self.recorded[i]
+            if kind == RELEASE and (module, forward) in released:
+                released.discard((module, forward))
+                done.add(i)
+        self._done = frozenset(done)
 
     def catch_up(self, event: Event) -> list[Event] | None:
         """This rank's own ``event``, after it left the order: the recorded events before its next occurrence, to carry
@@ -88,7 +98,7 @@ class Shadow:
         assert self.cursor is not None
         recorded = self.recorded
         for i in range(self.cursor, len(recorded)):
-            if recorded[i] == event and i not in self._done:
+            if recorded[i] == event:
                 missed = [recorded[j] for j in range(self.cursor, i) if j not in self._done]
                 self.cursor = i + 1
                 return missed
