@@ -165,6 +165,55 @@ class Transformer(nn.Module):
 
 
 #: The models the benchmark bodies take by name; ``tensors`` sizes the scaled ones (their trainable tensor count).
+class SkippableTower(nn.Module):
+    """``Wide`` fed by a vision tower (2 x Linear(256, 256)) that runs only where the step's input carries an image;
+    counts the tower's forwards on this rank."""
+
+    def __init__(self, hidden: int = 256) -> None:
+        super().__init__()
+        self.tower = nn.Sequential(nn.Linear(hidden, hidden), nn.Linear(hidden, hidden))
+        self.body = Wide(hidden)
+        self.tower_forwards = 0
+
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        if image is not None:
+            self.tower_forwards += 1
+            x = x + self.tower(image)
+        return self.body(x)
+
+
+#: Per step, the ranks whose input carries an image (``skipping_tower_collectives``): every rank in the recorded
+#: step, then rank 1 skips the tower in every other step.
+TOWER_STEPS = ({0, 1}, {0}, {0, 1}, {0})
+
+
+def skipping_tower_collectives(safe: bool, steps: tuple[set[int], ...] = TOWER_STEPS) -> dict[str, Any]:
+    """Per step: this rank's collectives (as ``collectives_per_step``) and the tower's forwards on it, and what the
+    session reports kept gathered, for ``SkippableTower`` at ZeRO-3 where ``steps`` say which ranks carry an image."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    module = SkippableTower()
+    engine = _engine(module, 3, safe=safe)
+    x, image = torch.randn(8, 256).to(torch.bfloat16), torch.randn(8, 256).to(torch.bfloat16)
+    rank, per_step, forwards = dist.get_rank(), [], []
+    with _counting_collectives() as counts:
+        progress = getattr(getattr(engine, "_safe_zero", None), "uneven", None)
+        if progress is not None and progress.progress is not None:
+            progress.progress.store = _CountingStore(progress.progress.store, counts)
+        for carriers in steps:
+            counts.clear()
+            before = module.tower_forwards
+            loss = engine(x, image if rank in carriers else None)
+            engine.backward(loss)
+            engine.step()
+            per_step.append(dict(counts))
+            forwards.append(module.tower_forwards - before)
+    session = getattr(engine, "safe_zero_session", None)
+    kept = [line for line in (session.report.get("gradless_params", []) if session else []) if "kept" in line]
+    return {"collectives": per_step, "tower_forwards": forwards, "kept": kept}
+
+
 MODELS = {
     "wide": lambda tensors: Wide(),
     "with_empty": lambda tensors: WithEmpty(k=tensors),  # ``tensors``: K all-zero-sized submodules

@@ -63,6 +63,23 @@ def test_the_first_step_adds_the_agreement_and_later_steps_nothing(ranks, stage)
     assert [_added(a, b) for a, b in zip(stock[1:], safe[1:])] == [{"store_set": 1}] * 2
 
 
+def test_a_rank_that_skips_the_tower_after_the_recorded_step_makes_the_others_collectives_and_nothing_more(ranks):
+    """ZeRO-3, rank 1 skips the tower in steps 2 and 4 (``bodies.TOWER_STEPS``): it runs no forward of it, every rank
+    makes in such a step exactly the collectives (bytes included) of a step where both run it -- the tower's gathers,
+    forward and backward, and its gradients' share of the reduce-scatter -- and no other message; nothing is kept
+    gathered (no memory). A step where both run it costs what stock's does, plus the one store ``set``."""
+    stock = ranks.run(WORLD, bodies.skipping_tower_collectives, safe=False, steps=({0, 1},) * 4)
+    safe = ranks.run(WORLD, bodies.skipping_tower_collectives, safe=True)
+    assert safe[0]["tower_forwards"] == [1, 1, 1, 1] and safe[1]["tower_forwards"] == [1, 0, 1, 0]
+    for rank in range(WORLD):
+        steps = safe[rank]["collectives"]
+        assert steps[3] == steps[2], steps  # rank 1 skipping (4) or not (3): the same collectives
+        for step in (1, 2, 3):  # step 2 also checks the recorded trace across ranks (stock's broadcasts)
+            assert _added(stock[rank]["collectives"][step], steps[step]) == {"store_set": 1}, step
+        assert safe[rank]["kept"] == []
+    assert safe[0]["collectives"][1:] == safe[1]["collectives"][1:]
+
+
 def test_all_gathers_per_zero3_step_equal_with_and_without_empty_submodules(ranks):
     """K = 4 submodules whose only parameters are zero-sized, in the forward path, gather nothing more than K = 0."""
     def gathers(k: int) -> list[dict[str, int]]:
