@@ -7,6 +7,7 @@ import importlib.util
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from safe_zero.probes import DropGrad, ZeroSized  # noqa: F401  (ZeroSized: the tests import it from here)
@@ -303,6 +304,25 @@ class OptionalTower(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         return (self.head(self._features(x, image)) - y).pow(2).mean()
+
+
+class CheckpointedTower(OptionalTower):
+    """``OptionalTower`` whose tower runs under non-reentrant activation checkpointing: its forward again inside the
+    backward."""
+
+    def _features(self, x: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if image is None:
+            return h
+        return h + torch.utils.checkpoint.checkpoint(self.tower, image, use_reentrant=False)
+
+
+class FrozenTower(OptionalTower):
+    """``OptionalTower`` with its tower frozen (a fine-tune of the language side): gathered, never reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower.requires_grad_(False)
 
 
 class VideoTower(OptionalTower):

@@ -27,9 +27,10 @@ from packaging.version import Version
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import (CheckpointedMoE, ExpertMoE, ForeignReadingTower, FunctionalReadingTower, LateCheckpointedMoE,
-                          MovingScale, NonReentrantCheckpointedMoE, OptionalTower, ReadingTower, RootExperts,
-                          SometimesShifted, TiedTower, VideoTower, WholeReadingTower, build, expert_batch)
+from tests.models import (CheckpointedMoE, CheckpointedTower, ExpertMoE, ForeignReadingTower, FrozenTower,
+                          FunctionalReadingTower, LateCheckpointedMoE, MovingScale, NonReentrantCheckpointedMoE,
+                          OptionalTower, ReadingTower, RootExperts, SometimesShifted, TiedTower, VideoTower,
+                          WholeReadingTower, build, expert_batch)
 from tests.rig import RankFailure
 
 STEPS = 3
@@ -40,7 +41,8 @@ ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
 #: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank);
 #: ``tower-skip-later``: every rank carries one in the first step, then rank 1 never again.
 #: ``tower-rotating`` (``tower-reads-rotating``: ``ReadingTower``): every rank carries one in the first step, then the
-#: ranks that do alternate (step 2: the odd ranks, step 3: the even ones).
+#: ranks that do alternate (step 2: the odd ranks, step 3: the even ones); ``tower-checkpointed-rotating``
+#: (``CheckpointedTower``), ``tower-frozen-rotating`` (``FrozenTower``) alike.
 #: ``video-first`` (``VideoTower``): rank 0 carries an image and a video in the first step, the others an image; then
 #: the ranks' runs of the tower change (``VIDEO_RUNS``). ``video-later``: every rank carries an image in the first step.
 #: ``moe-shuffled``: each step every rank's experts move one on, so hooks fire in other orders than in the first step.
@@ -58,6 +60,7 @@ MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "
           "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
           "tower-all": OptionalTower, "moe-root": RootExperts, "tower-reads": ReadingTower,
           "tower-rotating": OptionalTower, "tower-reads-rotating": ReadingTower,
+          "tower-checkpointed-rotating": CheckpointedTower, "tower-frozen-rotating": FrozenTower,
           "video-first": VideoTower, "video-later": VideoTower,
           "tower-reads-foreign": ForeignReadingTower, "tower-tied": TiedTower,
           "tower-functional": FunctionalReadingTower, "tower-whole-reads": WholeReadingTower}
@@ -759,6 +762,18 @@ def test_safe_zero3_stops_where_a_rank_runs_a_module_more_often_than_the_recorde
                   options={"module_order_timeout": 3}, timeout=60, grace=3, **GATHERING)
 
 
+@pytest.mark.parametrize("model, variant", [("tower-checkpointed-rotating", {}), ("tower-frozen-rotating", {}),
+                                            ("tower-rotating", {"accumulation": 2})],
+                         ids=["checkpointed", "frozen", "accumulation"])
+def test_safe_zero3_shadows_a_skipped_tower_under_checkpointing_freezing_and_accumulation(ranks, model, variant):
+    """bf16: ``BF16_CELLS["stage3-shadowed"]``."""
+    results = ranks.run(2, _train, grads=True, model=model, safe=True, world_size=2, stage=3, timeout=90,
+                        **variant, **PREFETCHING)
+    expected = reference(model, 2, accumulation=variant.get("accumulation", 1))
+    for r in results:
+        assert_ddp_exact(r, expected)
+
+
 #: ZeRO-3 with prefetching: every gather after the recorded step is planned from its trace, so a shadowing rank's
 #: coordinator must stand exactly where the others' do.
 PREFETCHING = dict(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=20, reduce_bucket_size=12)
@@ -895,6 +910,7 @@ BF16_CELLS = {
     "stage3-walk": ("shift", dict(stage=3, **GATHERING)),
     "stage3-optional": ("tower", dict(stage=3, options={"optional_modules": ["tower"]})),
     "stage3-found": ("tower", dict(stage=3)),
+    "stage3-shadowed": ("tower-rotating", dict(stage=3, **PREFETCHING)),
     "stage3-root-experts": ("moe-root", dict(stage=3)),
 }
 
