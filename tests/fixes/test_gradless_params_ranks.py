@@ -727,9 +727,9 @@ def test_zero3_trains_a_gradient_that_moves_on_one_rank_as_stock_does(ranks, saf
 
 @pytest.mark.parametrize("safe", [False, True])
 def test_zero3_module_order_that_changes_on_every_rank_alike(ranks, safe):
-    """Every rank drops the tower after the first step: DeepSpeed records its trace again, on every rank alike.
-    safe_zero's ranks find through the store that all left the order at the same module and go on; the tower,
-    used by no rank, takes zero gradients: DDP-exact. Stock trains on but not to the reference."""
+    """Every rank drops the tower after the first step. Stock records its trace again, on every rank alike, and
+    trains on but not to the reference. safe_zero's ranks each shadow the recorded tower (its gathers without its
+    compute); the tower, used by no rank, takes zero gradients: DDP-exact."""
     results = ranks.run(2, _train, grads=True, model="tower-late", safe=safe, world_size=2, stage=3)
     expected = reference("tower-late", 2)
     for r in results:

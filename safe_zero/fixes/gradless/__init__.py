@@ -7,6 +7,7 @@ gradient (DDP's rule for unused parameters), on ZeRO-1/2/3. The design: ``docs/r
 - ``stage12``, ``stage3``: those mixins.
 - ``module_order``: ZeRO-3's coordinator and parameter-manager mixins: the module clock, one module order,
   optional modules kept gathered, MoE blocks gathered whole.
+- ``shadow``: the recorded step's fetches and releases, which a rank that skips some of them makes without compute.
 
 ``safe_zero.fixes.gradless_params`` is the public face of this package.
 """

@@ -361,11 +361,15 @@ class AgreesOnModulesWhileRecording:
       which modules each entered, keep those some skipped gathered from then on and record the order again
       (``"optional_modules": false``, or a divergence inside a backward: the same ``RankDivergenceError`` on
       every rank instead). Once the trace is complete, prefetching follows it and nothing is added.
-    - A rank that then leaves the recorded order cannot ask the others with a collective they might not make.
-      It posts the module it entered to the process group's store and waits up to ``"module_order_timeout"``
-      seconds for every rank to post at the same point: all did, with the same module, and training goes on
-      (DeepSpeed records the order again); otherwise it raises ``RankDivergenceError`` naming the module the
-      others ran, instead of hanging in its next gather.
+    - A rank that then skips what the recorded step ran (a tower on a text-only batch, one tower run of two)
+      shadows it (``shadow.Shadow``): it makes those modules' fetches and releases, forward and backward, without
+      their compute, so its gathers stay the recorded step's, as every other rank's do. Recorded in recording steps
+      only; nothing is tracked in a step that follows the order.
+    - A rank that runs what the recorded step did not (a module more often) cannot ask the others with a collective
+      they might not make. It posts the module it entered to the process group's store and waits up to
+      ``"module_order_timeout"`` seconds for every rank to post at the same point: all did, with the same module,
+      and training goes on (DeepSpeed records the order again); otherwise it raises ``RankDivergenceError`` naming
+      the module, instead of hanging in its next gather.
     - ``module_clock`` (:class:`ModuleClock`) counts the modules entered, for the ZeRO-3 optimizer's walk.
 
     Its state is one :class:`ModuleOrder` (``self._safe_zero.module_order``), whose :class:`Phase` says where the
