@@ -20,16 +20,19 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
     MODEL_MAPPING_NAMES,
 )
 
-KINDS = ("vlm", "moe_vlm", "moe_lm")
+KINDS = ("vlm", "moe_vlm", "moe_lm", "alm")
+#: The kinds whose batches carry a modality (an image, or an audio clip for "alm") on some ranks and not others.
+MULTIMODAL = ("vlm", "moe_vlm", "alm")
 
 
 @dataclass(frozen=True)
 class Architecture:
     model_type: str  # transformers' model_type, e.g. "qwen2_vl"
-    kind: str  # "vlm" (dense vision-language), "moe_vlm", or "moe_lm" (MoE causal LM)
+    kind: str  # "vlm" (dense vision-language), "moe_vlm", "moe_lm" (MoE causal LM), "alm" (audio/speech LM)
 
 
 #: Architectures whose training forward draws random numbers the reference cannot draw alike: their rows compare
@@ -74,7 +77,8 @@ def _text_config(config: transformers.PretrainedConfig) -> dict[str, Any]:
 
 def _model_class(model_type: str) -> type[torch.nn.Module]:
     """The class the auto mappings name, the image-text-to-text one where both do (Gemma3ForConditionalGeneration)."""
-    names = {**MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+    names = {**MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, **MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             **MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
     return getattr(transformers, names[model_type])
 
 
@@ -83,8 +87,12 @@ def _takes_images(model_class: type[torch.nn.Module]) -> bool:
 
 
 def discover() -> list[Architecture]:
-    """Every image-text-to-text model and every MoE causal LM of the installed transformers, sorted by model_type."""
+    """Every image-text-to-text model, every other multimodal LM (audio, speech, omni: ``"alm"``) and every MoE
+    causal LM of the installed transformers, sorted by model_type."""
     found: dict[str, Architecture] = {}
+    for model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            found[model_type] = Architecture(model_type, "alm")
     for model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         try:
             moe = _expert_count(_text_config(_default_config(model_type))) > 1
@@ -165,6 +173,8 @@ _SIZES: list[tuple[re.Pattern[str], int]] = [
         (r"^latent_channels$", 16),
         (r"^num_res_blocks$", 1),
         (r"^(num_embeddings|codebook_size)$", 256),
+        # Whisper-like audio encoders take a fixed 2 * max_source_positions mel frames (3000): 64 here.
+        (r"^max_source_positions$", 32),
     ]
 ]
 _LAYER_COUNT = ("num_hidden_layers", "depth", "num_layers", "n_layer", "n_layers")
@@ -496,6 +506,12 @@ def _dots3_note(config: dict[str, Any]) -> None:
         layer["head_dim"] = nope + layer.get("qk_rope_head_dim", text["qk_rope_head_dim"])
 
 
+def _phi4_multimodal(config: dict[str, Any]) -> None:
+    # The conformer's channel widths and block count, outside the generic names.
+    config["audio_config"].update(nemo_conv_channels=WIDTH, ext_pw_out_channel=WIDTH,
+                                  depthwise_separable_out_channel=WIDTH, num_blocks=LAYERS)
+
+
 _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "apertus1p5": _apertus1p5,
     "aria": _aria,
@@ -517,6 +533,7 @@ _OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     "llama4": _llama4,
     "mllama": _mllama,
     "molmo2": _molmo2,
+    "phi4_multimodal": _phi4_multimodal,
     "muse_glimmer": _muse,
     "muse_spark": _muse,
     "qwen2_5_omni_thinker": _omni_thinker,
@@ -547,6 +564,13 @@ _UNBUILDABLE: dict[str, str] = {
     "evolla": "a protein-text model: its encoder reads protein sequences, not images",
     "pi0": "a robot policy: trained on states and actions (flow matching), not a next-token loss",
     "pi05": "a robot policy: trained on states and actions (flow matching), not a next-token loss",
+    "qwen2_5_omni": "the Omni wrapper (thinker + talker) only generates: forward(input) has no loss; its thinker is "
+                    "the zoo's qwen2_5_omni_thinker",
+    "qwen3_omni_moe": "the Omni wrapper (thinker + talker) only generates; its thinker is the zoo's "
+                      "qwen3_omni_moe_thinker",
+    "voxtral_realtime": "its text model class (VoxtralRealtimeTextModel) is not exported by this transformers",
+    "nemo_speechlm": "its audio encoder's subsampling widths are fixed outside the config names shrunk here "
+                     "(640 vs 1024 after subsampling)",
     "fast_vlm": _TIMM,
     "gemma3n": _TIMM,
     "perception_lm": _TIMM,
@@ -564,7 +588,7 @@ def tiny_config(arch: Architecture) -> transformers.PretrainedConfig:
     vision_class = config_class.sub_configs.get("vision_config")
     if "vision_config" in config and config["vision_config"] is None and vision_class is not None:
         config["vision_config"] = vision_class().to_dict()  # Gemma 4's default has none: text-only
-    for key in ("image_token_id", "image_token_index"):
+    for key in ("image_token_id", "image_token_index", "audio_token_id", "audio_token_index"):
         if key in config and config[key] is None:  # left to the checkpoint (MiniCPM-V, BLIP-2): the image is unread
             config[key] = 151655  # Qwen's, moved into the shrunk vocab with the other special ids
     _shrink(config)
@@ -640,8 +664,9 @@ def _text_tokens(model: torch.nn.Module, generator: torch.Generator, shape: tupl
     return torch.randint(4, high, shape, generator=generator)
 
 
-def _generator(rank: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed(1_000_003 * rank + step)
+def _generator(rank: int, step: int, seed: int = 0) -> torch.Generator:
+    """Data seed 0 is the zoo's first; another ``seed`` draws other token ids, images and clips."""
+    return torch.Generator().manual_seed(1_000_003 * rank + step + 7_919 * seed)
 
 
 def _vision_config(config: transformers.PretrainedConfig) -> Any:
@@ -818,10 +843,130 @@ def _first_int(config: transformers.PretrainedConfig, *keys: str) -> int | None:
     return next((getattr(config, k) for k in keys if _int(getattr(config, k, None))), None)
 
 
-def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, image: bool) -> dict[str, torch.Tensor]:
-    """One deterministic micro-batch (seeded from rank and step); labels = input_ids, so model(**batch).loss is the LM
-    loss. image=True: one image and its tokens; image=False (or an MoE LM): text only, no pixel keys at all."""
-    generator = _generator(rank, step)
+def _audio_config(config: transformers.PretrainedConfig) -> Any:
+    for name in ("audio_config", "encoder_config", "audio_encoder_config", "speech_config"):
+        if getattr(config, name, None) is not None:
+            return getattr(config, name)
+    return config
+
+
+#: A log-mel clip's frames where the encoder does not fix them (Whisper-like ones take 2 * max_source_positions).
+AUDIO_FRAMES = 64
+
+
+def _audio(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[str, Any], int]:
+    """One audio clip's inputs in the layout the family's forward takes (log-mel features of the encoder's bins and
+    the frames it expects, all real), and how many audio tokens they make: the processor's conventions, without it."""
+    config, params = model.config, _forward_params(model)
+    audio = _audio_config(config)
+    bins = _first_int(audio, "num_mel_bins", "n_mels", "n_mel_bins", "feature_size", "input_size", "input_dim",
+                      "num_mel_filters")
+    positions, window = _first_int(audio, "max_source_positions"), _first_int(audio, "n_window")
+    # Whisper-like: 2 * max_source_positions; Qwen3-ASR: chunks of 2 * n_window.
+    frames = 2 * window if window else 2 * positions if positions else AUDIO_FRAMES
+    features = torch.randn(1, bins or 80, frames, generator=generator)
+    ones = torch.ones(1, frames, dtype=torch.long)
+    if "input_features" in params:
+        inputs: dict[str, Any] = {"input_features": features}
+        if "input_features_mask" in params:
+            inputs["input_features_mask"] = ones
+        if "feature_attention_mask" in params:
+            inputs["feature_attention_mask"] = ones
+        if "padding_mask" in params:
+            inputs["padding_mask"] = ones
+    elif "audio_input_features" in params:  # Phi-4-multimodal: (batch, frames, bins), one embed size per clip
+        inputs = {"audio_input_features": features.transpose(1, 2).contiguous(),
+                  "audio_attention_mask": ones.bool()}
+        reduction = _first_int(audio, "time_reduction") or 1
+        return inputs, -(-frames // reduction)
+    else:
+        raise Unbuildable(f"no audio batch: its forward takes no log-mel input_features ({', '.join(sorted(params))})")
+    try:
+        n_audio = _count_audio_tokens(model, inputs)
+    except (RuntimeError, ValueError):  # frames first: (batch, frames, bins), as Granite Speech's encoder reads them
+        inputs["input_features"] = features.transpose(1, 2).contiguous()
+        n_audio = _count_audio_tokens(model, inputs)
+    if config.model_type in _AUDIO_TOKEN_MASKS:
+        inputs["input_features_mask"] = torch.ones(1, n_audio, dtype=torch.bool)
+    return inputs, n_audio
+
+
+#: Families whose input_features_mask marks the projected audio tokens that are real, not the mel frames.
+_AUDIO_TOKEN_MASKS = {"granite_speech", "granite_speech_plus"}
+
+
+def _count_audio_tokens(model: torch.nn.Module, inputs: dict[str, Any]) -> int:
+    """How many audio tokens the family's audio path makes of these inputs."""
+    owner = next((o for o in (model, getattr(model, "model", None)) if hasattr(o, "get_audio_features")), None)
+    width = model.get_input_embeddings().embedding_dim
+    with torch.no_grad():
+        if owner is not None:
+            names = _params(owner.get_audio_features)
+            takes = inputs if "kwargs" in names else {k: v for k, v in inputs.items() if k in names}
+            features = owner.get_audio_features(**takes)
+            if getattr(features, "pooler_output", None) is not None:
+                features = features.pooler_output
+            elif hasattr(features, "last_hidden_state"):
+                features = features.last_hidden_state
+            if isinstance(features, torch.Tensor):
+                features = [features]
+            return sum(f.numel() for f in features) // width
+        # Qwen2-Audio: its tower's output lengths, as its processor counts them
+        tower = next((m for m in model.modules() if hasattr(m, "_get_feat_extract_output_lengths")), None)
+        if tower is not None and "feature_attention_mask" in inputs:
+            lengths = tower._get_feat_extract_output_lengths(inputs["feature_attention_mask"].sum(-1))
+            return int((lengths[-1] if isinstance(lengths, tuple) else lengths).sum())
+    raise Unbuildable("no audio batch: no get_audio_features to count a clip's audio tokens with")
+
+
+#: Families with Qwen-VL's video inputs whose tiny video batch is not made here yet (the error it gives).
+_NO_VIDEO = {
+    "ernie4_5_vl_moe": "its video grid is split per frame pair (split_with_sizes)",
+    "glm5_next": "its video tokens are placed by the processor's frame layout (0 tokens found)",
+    "qwen2_5_omni_thinker": "its video positions need the processor's seconds per grid",
+    "qwen3_omni_moe_thinker": "its video positions need the processor's timestamps",
+    "video_llama_3": "its get_video_features takes video_merge_sizes",
+}
+
+
+def takes_video(arch: Architecture) -> bool:
+    """Whether ``batch(..., video=True)`` adds a video: Qwen-VL's layout (flattened patches and a t, h, w grid)."""
+    if arch.kind not in ("vlm", "moe_vlm") or arch.model_type in _NO_VIDEO or arch.model_type in _UNBUILDABLE:
+        return False
+    names = set(inspect.signature(_model_class(arch.model_type).forward).parameters)
+    return {"pixel_values_videos", "video_grid_thw"} <= names
+
+
+def _video(model: torch.nn.Module, generator: torch.Generator) -> tuple[dict[str, Any], list[int]]:
+    """One short video (a grid of one temporal patch, Qwen-VL's layout) and its token ids: the vision tower runs once
+    more in the forward, for the video."""
+    config = model.config
+    patches = _patches(config.model_type, _vision_config(config), _channels(config), generator)
+    pixels = {"pixel_values_videos": patches["pixel_values"], "video_grid_thw": patches["image_grid_thw"]}
+    owner = _image_features_owner(model)
+    with torch.no_grad():
+        features = owner.get_video_features(**pixels)
+    if getattr(features, "pooler_output", None) is not None:
+        features = features.pooler_output
+    features = [features] if isinstance(features, torch.Tensor) else features
+    n_video = sum(f.numel() for f in features) // model.get_input_embeddings().embedding_dim
+    video_id = _first_int(config, "video_token_id", "video_token_index")
+    if video_id is None:
+        raise Unbuildable("no video batch: its config names no video token id")
+    start = _first_int(config, "vision_start_token_id", "video_start_token_id")
+    end = _first_int(config, "vision_end_token_id", "video_end_token_id")
+    return pixels, [*([start] if start is not None else []), *[video_id] * n_video, *([end] if end is not None else [])]
+
+
+def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, image: bool, seed: int = 0,
+          video: bool = False) -> dict[str, torch.Tensor]:
+    """One deterministic micro-batch (seeded from rank, step and the data ``seed``); labels = input_ids, so
+    model(**batch).loss is the LM loss. image=True: one image and its tokens (an audio LM: one audio clip and its
+    tokens), and with video=True a video after it (``takes_video``); image=False (or an MoE LM): text only, no pixel
+    or audio keys at all."""
+    generator = _generator(rank, step, seed)
+    if image and arch.kind == "alm":
+        return _audio_batch(model, generator)
     if not image or arch.kind == "moe_lm":
         input_ids = _text_tokens(model, generator, (TEXT_BATCH, TEXT_LEN))
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
@@ -841,16 +986,40 @@ def batch(arch: Architecture, model: torch.nn.Module, rank: int, step: int, imag
         image_ids = [*([start] if start is not None else []), *image_ids, *([end] if end is not None else [])]
     before = _text_tokens(model, generator, (1, 4))
     after = _text_tokens(model, generator, (1, TEXT_LEN - 4))
-    input_ids = torch.cat([before, torch.tensor([image_ids], dtype=torch.long), after], dim=1)
-    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **pixels}
+    videos, video_ids = _video(model, generator) if video else ({}, [])
+    input_ids = torch.cat([before, torch.tensor([image_ids + video_ids], dtype=torch.long), after], dim=1)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **pixels, **videos}
     params = _forward_params(model)
     if "image_embeds_position_mask" in params:
         inputs["image_embeds_position_mask"] = torch.zeros_like(input_ids)
         inputs["image_embeds_position_mask"][0, 4 : 4 + n_image] = 1
-    if "mm_token_type_ids" in params:  # M-RoPE's positions: text 0, image 1
+    if "mm_token_type_ids" in params:  # M-RoPE's positions: text 0, image 1, video 2
         inputs["mm_token_type_ids"] = (input_ids == image_id).int()
+        if video:
+            inputs["mm_token_type_ids"][input_ids == _first_int(config, "video_token_id", "video_token_index")] = 2
     if "cross_attention_mask" in params:  # Mllama: every token sees the image's first tile
         inputs["cross_attention_mask"] = pixels["aspect_ratio_mask"][:, None].expand(1, input_ids.shape[1], -1, -1)
+    inputs["labels"] = input_ids.clone()
+    return inputs
+
+
+def _audio_batch(model: torch.nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    config = model.config
+    audio, n_audio = _audio(model, generator)
+    audio_id = _first_int(config, "audio_token_id", "audio_token_index", "speech_token_id")
+    if audio_id is None:  # Phi-4-multimodal's is in its audio config
+        audio_id = _first_int(_audio_config(config), "audio_token_id", "audio_token_index")
+    if audio_id is None:
+        raise Unbuildable("no audio batch: its config names no audio token id")
+    start = _first_int(config, "audio_start_token_id", "audio_bos_token_id", "begin_audio_token_id")
+    end = _first_int(config, "audio_end_token_id", "audio_eos_token_id", "end_audio_token_id")
+    audio_ids = [*([start] if start is not None else []), *[audio_id] * n_audio, *([end] if end is not None else [])]
+    before = _text_tokens(model, generator, (1, 4))
+    after = _text_tokens(model, generator, (1, TEXT_LEN - 4))
+    input_ids = torch.cat([before, torch.tensor([audio_ids], dtype=torch.long), after], dim=1)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **audio}
+    if "audio_embed_sizes" in _forward_params(model):  # Phi-4-multimodal
+        inputs["audio_embed_sizes"] = torch.tensor([n_audio])
     inputs["labels"] = input_ids.clone()
     return inputs
 
@@ -876,6 +1045,25 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     raise LookupError(f"{type(model).__name__} has no module named like a vision tower")
 
 
+_AUDIO_TOWER_NAMES = ("audio_tower", "audio_encoder", "speech_encoder", "audio_embed", "encoder")
+
+
+def audio_tower(model: torch.nn.Module) -> torch.nn.Module:
+    """The audio encoder of an audio LM: the first submodule named like one, in the order of ``_AUDIO_TOWER_NAMES``
+    (Phi-4-multimodal's image embedding has an ``encoder`` too)."""
+    named = [(name.rsplit(".", 1)[-1], module) for name, module in model.named_modules()]
+    for wanted in _AUDIO_TOWER_NAMES:
+        for last, module in named:
+            if last == wanted:
+                return module
+    raise LookupError(f"{type(model).__name__} has no module named like an audio tower")
+
+
+def modality_tower(arch: Architecture, model: torch.nn.Module) -> torch.nn.Module:
+    """The tower that a batch with ``image=True`` runs: the audio tower of an audio LM, else the vision tower."""
+    return audio_tower(model) if arch.kind == "alm" else vision_tower(model)
+
+
 def _report(arch: Architecture) -> str:
     start = time.perf_counter()
     try:
@@ -884,7 +1072,11 @@ def _report(arch: Architecture) -> str:
         return str(e)
     for image in (True, False) if arch.kind != "moe_lm" else (False,):
         model.zero_grad(set_to_none=True)
-        model(**batch(arch, model, rank=0, step=0, image=image)).loss.backward()
+        try:
+            inputs = batch(arch, model, rank=0, step=0, image=image)
+        except Unbuildable as e:
+            return str(e)
+        model(**inputs).loss.backward()
     params = sum(p.numel() for p in model.parameters())
     return f"built ({params} params, {time.perf_counter() - start:.2f} s)"
 

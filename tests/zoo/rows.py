@@ -2,9 +2,10 @@
 safe_zero, ZeRO-2 or ZeRO-3, 2 or 3 gloo ranks), and the ground truth it is held to: single-process AdamW on the
 global batch.
 
-Every rank gets its own token ids; for a vision-language model the even ranks carry an image and the odd ranks
-text only, the everyday mixed-data fine-tune. The reference averages the ranks' losses, so a parameter a rank did not
-use contributes a zero gradient there (DDP's rule).
+Every rank gets its own token ids; for a vision-language model (an audio LM: an audio clip) the data ``PATTERNS`` say
+which ranks carry an image in which step: by default ("fixed") the even ranks in every step and the odd ranks text
+only, the everyday mixed-data fine-tune. The reference averages the ranks' losses, so a parameter a rank did not use
+contributes a zero gradient there (DDP's rule).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from tests.zoo import remote
-from tests.zoo.architectures import Architecture, batch, build
+from tests.zoo.architectures import MULTIMODAL, Architecture, batch, build, takes_video
 
 #: The kind of the remote-code MoE causal LMs (``tests/zoo/remote``): experts as an ``nn.ModuleList`` of modules a rank
 #: enters only for the tokens routed to them, loaded through ``auto_map`` as ``trust_remote_code`` does.
@@ -42,25 +43,67 @@ EPS = 1e-6
 TOLERANCE = 1e-4
 
 
-def has_image(arch: Architecture, rank: int) -> bool:
-    return arch.kind in ("vlm", "moe_vlm") and rank % 2 == 0
+#: Which ranks carry the modality (an image; an audio clip for an audio LM) in which step (issue 48):
+#: - "fixed": the even ranks in every step, the odd ones text only from the first step on (the zoo's first pattern);
+#: - "late": every rank in the first step (the recorded one), then rank 1 text only;
+#: - "rotating": 4 steps: every rank, rank 0 only, no rank, the last rank only;
+#: - "image+video": every rank an image in every step, the even ranks a video too (the tower runs twice there;
+#:   families that take Qwen-VL's videos, ``takes_video``).
+PATTERNS = ("fixed", "late", "rotating", "image+video")
 
 
-def _batches(arch: Architecture, model: torch.nn.Module, rank: int) -> list[dict[str, torch.Tensor]]:
+def patterns(arch: Architecture) -> tuple[str, ...]:
+    """The data patterns a family's rows run: none but "fixed" without a modality, "image+video" where it takes one."""
+    if arch.kind not in MULTIMODAL:
+        return ("fixed",)
+    return PATTERNS if takes_video(arch) else PATTERNS[:-1]
+
+
+def steps(pattern: str = "fixed") -> int:
+    return 4 if pattern == "rotating" else STEPS
+
+
+def has_image(arch: Architecture, rank: int, step: int = 0, pattern: str = "fixed", world_size: int = 2) -> bool:
+    if arch.kind not in MULTIMODAL:
+        return False
+    if pattern == "fixed":
+        return rank % 2 == 0
+    if pattern == "late":
+        return step == 0 or rank != 1
+    if pattern == "rotating":
+        return (True, rank == 0, False, rank == world_size - 1)[step]
+    if pattern == "image+video":
+        return True
+    raise ValueError(f"unknown data pattern {pattern!r}; one of {PATTERNS}")
+
+
+def has_video(arch: Architecture, rank: int, pattern: str = "fixed") -> bool:
+    return pattern == "image+video" and rank % 2 == 0
+
+
+def _batches(arch: Architecture, model: torch.nn.Module, rank: int, pattern: str = "fixed", seed: int = 0,
+             world_size: int = 2) -> list[dict[str, torch.Tensor]]:
     """Made before ZeRO partitions the model: a family's inputs may be sized from its unpartitioned modules."""
     if arch.kind == REMOTE:
         return [remote.batch(arch.model_type.removeprefix(_REMOTE_PREFIX), rank, step) for step in range(STEPS)]
-    return [batch(arch, model, rank, step, has_image(arch, rank)) for step in range(STEPS)]
+    return [batch(arch, model, rank, step, has_image(arch, rank, step, pattern, world_size), seed=seed,
+                  video=has_video(arch, rank, pattern)) for step in range(steps(pattern))]
 
 
-def ds_config(stage: int, world_size: int) -> dict[str, Any]:
+def ds_config(stage: int, world_size: int, persistence: int | None = None) -> dict[str, Any]:
+    """``persistence``: ZeRO-3's ``stage3_param_persistence_threshold``; DeepSpeed's default (1e5) keeps every
+    parameter of a tiny model gathered, 0 partitions them all, as parameters are at real sizes."""
+    zero: dict[str, Any] = {"stage": stage}
+    if persistence is not None:
+        zero["stage3_param_persistence_threshold"] = persistence
     return {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0, "torch_adam": True}},
-            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+            "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 10**9}
 
 
-def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int) -> dict[str, Any]:
-    """A rank body (``tests.rig``): ``STEPS`` steps; rank 0 returns the full parameters after them."""
+def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int, pattern: str = "fixed", seed: int = 0,
+          persistence: int | None = None) -> dict[str, Any]:
+    """A rank body (``tests.rig``): ``steps(pattern)`` steps; rank 0 returns the full parameters after them."""
     import deepspeed
     import torch.distributed as dist
 
@@ -68,10 +111,10 @@ def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int) -
 
     arch, rank = Architecture(model_type, kind), dist.get_rank()
     model = build_model(arch)
-    batches = _batches(arch, model, rank)
+    batches = _batches(arch, model, rank, pattern, seed, world_size)
     init = safe_zero.initialize if safe else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                      config=ds_config(stage, world_size))
+                      config=ds_config(stage, world_size, persistence))
     losses = []
     for inputs in batches:
         loss = engine(**inputs).loss
@@ -86,14 +129,14 @@ def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int) -
     return {"params": state, "losses": losses, "report": report}
 
 
-def reference(arch: Architecture, world_size: int) -> dict[str, Any]:
+def reference(arch: Architecture, world_size: int, pattern: str = "fixed", seed: int = 0) -> dict[str, Any]:
     """Single-process fp32 AdamW + ``clip_grad_norm_`` on the mean of the ranks' losses."""
     model = build_model(arch)
-    batches = [_batches(arch, model, rank) for rank in range(world_size)]
+    batches = [_batches(arch, model, rank, pattern, seed, world_size) for rank in range(world_size)]
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, eps=EPS, weight_decay=0.0)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps(pattern)):
         optimizer.zero_grad()
         per_rank = [model(**batches[rank][step]).loss for rank in range(world_size)]
         torch.stack(per_rank).mean().backward()
@@ -151,13 +194,15 @@ def first_line(error: BaseException) -> str:
 
 
 def run_row(pools: Any, arch: Architecture, stage: int, safe: bool, world_size: int, expected: dict[str, Any],
-            timeout: float = 180) -> Outcome:
-    """One row on ``pools`` (``tests.rig.Pools``); a row that fails leaves its pool to be rebuilt."""
+            timeout: float = 180, pattern: str = "fixed", seed: int = 0, persistence: int | None = None) -> Outcome:
+    """One row on ``pools`` (``tests.rig.Pools``); a row that fails leaves its pool to be rebuilt. ``expected`` is
+    ``reference(arch, world_size, pattern, seed)``."""
     from tests.rig import RankFailure
 
     try:
         results = pools.run(world_size, train, model_type=arch.model_type, kind=arch.kind, stage=stage, safe=safe,
-                            world_size=world_size, timeout=timeout, grace=20)
+                            world_size=world_size, pattern=pattern, seed=seed, persistence=persistence,
+                            timeout=timeout, grace=20)
     except (RankFailure, RuntimeError, TimeoutError) as error:
         return Outcome("failed", detail=first_line(error))
     return judge(results, expected)
