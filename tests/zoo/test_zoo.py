@@ -1,7 +1,9 @@
-"""The zoo's CI subset: the vision-language families people fine-tune on mixed image/text data, and a handful of MoE
-causal LMs, trained at ZeRO-2 and ZeRO-3 with rank-dependent batches and no ``safe_zero`` configuration, each against
-single-process training on the global batch (``rows.reference``). ``make zoo`` runs every architecture the installed
-transformers ships and writes ``docs/zoo.md``.
+"""The zoo's CI subset: the vision-language families people fine-tune on mixed image/text data, two audio LMs, and a
+handful of MoE causal LMs, trained at ZeRO-2 and ZeRO-3 with rank-dependent batches and no ``safe_zero``
+configuration, each against single-process training on the global batch (``rows.reference``); a sample of the data
+patterns that change across steps (``rows.PATTERNS``), a second data seed, and rows with every parameter partitioned
+(DeepSpeed's default persistence threshold keeps all of a tiny model's parameters gathered). ``make zoo`` runs every
+architecture the installed transformers ships, with every data pattern, and writes ``docs/zoo.md``.
 """
 
 from __future__ import annotations
@@ -125,7 +127,6 @@ def test_stock_zero3_fails_on_audio_and_on_image_and_video(ranks, model_type, pa
     rank with a video gathers the vision tower once more than the rank with an image only."""
     outcome = _exact(ranks, model_type, 3, 2, safe=False, pattern=pattern)
     assert outcome.verdict == "failed", outcome
-    assert outcome.detail.startswith("a rank aborted") or "Connection reset" in outcome.detail, outcome.detail
     assert outcome.detail.startswith("a rank aborted") or "Connection reset" in outcome.detail, outcome.detail
 
 
