@@ -28,7 +28,8 @@ def _versions() -> dict[str, dict[str, str | None]]:
     return {name: {"installed": (installed := installed_version(name)), "allowed": str(supported.allowed),
                    "tested_floor": supported.floor if supported.floor_tested else None,
                    "tested_ci": supported.ci_pin, "tested_newest": supported.newest,
-                   "newest_green_on": supported.newest_green_on, "status": supported.status(installed)}
+                   "newest_green_on": supported.newest_green_on, "spot_checked": list(supported.spot_checked),
+                   "status": supported.status(installed)}
             for name, supported in SUPPORTED.items()}
 
 
@@ -117,7 +118,7 @@ def diagnose(model_spec: str | None = None) -> dict[str, Any]:
     return report
 
 
-def _print(report: dict[str, Any]) -> None:
+def _print_versions(report: dict[str, Any]) -> None:
     print(f"{'package':14} {'installed':12} {'allowed':16} {'tested':22} status")
     for name, v in report["versions"].items():
         if v["tested_floor"]:
@@ -136,6 +137,12 @@ def _print(report: dict[str, Any]) -> None:
         if v["newest_green_on"]:
             print(f"{name} {v['tested_newest']}: the whole suite last green on {v['newest_green_on']} "
                   f"(make test-newest; CI runs {v['tested_ci']})")
+        if v["spot_checked"]:
+            print(f"{name} {', '.join(v['spot_checked'])}: a subset of the suite green (docs/versions.md)")
+
+
+def _print(report: dict[str, Any]) -> None:
+    _print_versions(report)
     print(f"supported DeepSpeed: {report['supported_deepspeed']}; DeepSpeed's own parameter_alignment option: "
           f"{'available (ZeRO-1/2, off unless asked)' if report['deepspeed_parameter_alignment_option'] else 'absent'}")
     print(f"{'fix':28} {'defect here':12} {'engages':8} needed on DeepSpeed")

@@ -32,11 +32,12 @@ class Supported:
         newest: the newest release the suite was last green on: what ``make test`` (``constraints/ci.txt``) pins,
             or, where ``ci`` is set, what ``make test-newest`` installed.
         extra: the ``pip install 'safe-zero[extra]'`` that brings it (``None``: a core dependency).
-        floor_tested: whether ``make test-floor`` was last green at ``floor``. Where it was not, or cannot run it
-            (torch: the floor leg keeps CI's CPU wheel), the README says the floor is allowed,
-            not tested, and doctor does not call it tested.
+        floor_tested: whether ``make test-floor`` was last green at ``floor``. Where it was not, the README says
+            the floor is allowed, not tested, and doctor does not call it tested.
         ci: the release ``constraints/ci.txt`` pins where it is not ``newest`` (torch: CI stays on the CPU wheel).
         newest_green_on: the date ``make test-newest`` was last green on ``newest``, where CI does not run it.
+        spot_checked: releases between floor and newest that ran a subset of the suite, green
+            (torch: ``make torch-matrix``, whose table in docs/versions.md says which tests).
     """
 
     distribution: str
@@ -47,6 +48,7 @@ class Supported:
     floor_tested: bool = True
     ci: str | None = None
     newest_green_on: str | None = None
+    spot_checked: tuple[str, ...] = ()
 
     @property
     def ci_pin(self) -> str:

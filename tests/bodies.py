@@ -8,12 +8,30 @@ from typing import Any
 import torch
 from packaging.specifiers import SpecifierSet
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 
 from safe_zero._compat import DEEPSPEED_VERSION
-from tests.models import Control, FPQuantLike, ZeroSized, build, ds_config, train
+from tests.models import Control, FPQuantLike, Gradless, ZeroSized, build, ds_config, train
 
 #: 0.18.x before 0.19.6 asserts ``fragment start N should be < fragment_end N`` on FPQuantLike at ZeRO-1/2 (#8298).
 FRAGMENT_ASSERT = DEEPSPEED_VERSION in SpecifierSet("<0.19.6")
+#: torch up to 2.9 (at least) unflattens a zero-element tensor as shape ``(0,)``: DeepSpeed < 0.19.7's ZeRO-1/2 rebinds
+#: a zero-element parameter to that view, and stock's forward stops on its shape (``size mismatch ... vec (0)``).
+UNFLATTEN_LOSES_EMPTY_SHAPE = _unflatten_dense_tensors(torch.zeros(0), [torch.zeros(0, 8)])[0].shape != (0, 8)
+
+
+def _hook_runs_without_a_gradient() -> bool:
+    """Whether torch runs a parameter's post-accumulate-grad hook when its gradient stays None (2.13 does, 2.4 and 2.5
+    do not): stock DeepSpeed's ZeRO-1/2/3 gradient hook then stops on the grad-less parameter (``None.view``)."""
+    model = Gradless()
+    ran: list[nn.Parameter] = []
+    model.dqweight.register_post_accumulate_grad_hook(ran.append)
+    model(torch.ones(1, 8)).backward()
+    return bool(ran)
+
+
+#: False: stock DeepSpeed does not stop on a grad-less parameter (the gradless_params probe finds no defect).
+HOOK_RUNS_WITHOUT_A_GRADIENT = _hook_runs_without_a_gradient()
 
 MODELS: dict[str, type] = {"Control": Control, "ZeroSized": ZeroSized, "FPQuantLike": FPQuantLike}
 

@@ -47,9 +47,11 @@ def test_doctor_probes_agree_with_the_declared_versions_and_reads_a_model():
     assert deepspeed_row["installed"] == str(DEEPSPEED_VERSION)
     assert deepspeed_row["status"] in ("tested", "within the tested range"), deepspeed_row
     torch_row = report["versions"]["torch"]
-    assert torch_row["tested_floor"] is None  # only CI's torch and the newest leg's are tested: doctor says so
-    assert (torch_row["tested_ci"], torch_row["tested_newest"], torch_row["newest_green_on"]) == \
-        (SUPPORTED["torch"].ci, SUPPORTED["torch"].newest, SUPPORTED["torch"].newest_green_on)
+    # The floor leg is not green at torch's floor yet (docs/versions.md): doctor does not call it tested.
+    assert torch_row["tested_floor"] is None
+    assert (torch_row["tested_ci"], torch_row["tested_newest"], torch_row["newest_green_on"],
+            torch_row["spot_checked"]) == (SUPPORTED["torch"].ci, SUPPORTED["torch"].newest,
+                                           SUPPORTED["torch"].newest_green_on, list(SUPPORTED["torch"].spot_checked))
     fixes = report["fixes"]
     # Every release has these three; the probes must find them.
     assert fixes["zero3_zero_element_params"]["defect_present"] is True

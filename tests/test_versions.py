@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 import tomllib
 
 import pytest
@@ -142,3 +143,26 @@ def test_readme_matrix_is_the_matrix_scripts_last_output():
     spec.loader.exec_module(matrix)
     assert SUPPORTED["deepspeed"].floor in matrix.RELEASES
     assert all(release in SUPPORTED["deepspeed"].allowed for release in matrix.RELEASES)
+
+
+def test_spot_checked_torch_releases_are_the_torch_matrix_green_rows():
+    """The releases doctor calls spot-checked are those `make torch-matrix` last ran green (scripts/torch_matrix.md,
+    shown in docs/versions.md), and it runs them again next time."""
+    with open(os.path.join(ROOT, "scripts", "torch_matrix.md")) as f:
+        written = f.read().strip()
+    with open(os.path.join(ROOT, "docs", "versions.md")) as f:
+        shown = f.read().split("<!-- torch-matrix:start -->", 1)[1].split("<!-- torch-matrix:end -->", 1)[0].strip()
+    assert shown == written
+    rows = re.findall(r"^\| (\d+\.\d+\.\d+) \|(.*)\|$", written, re.M)
+    green = {release for release, cells in rows if not re.search(r"\d+ failed|install failed|import failed", cells)}
+    torch = SUPPORTED["torch"]
+    assert rows and set(torch.spot_checked) == green, (torch.spot_checked, rows)
+    assert all(Version(torch.floor) < Version(r) < Version(torch.newest) for r in torch.spot_checked)
+    spec = importlib.util.spec_from_file_location("torch_matrix", os.path.join(ROOT, "scripts", "torch_matrix.py"))
+    torch_matrix = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))  # it imports make matrix's script beside it
+    try:
+        spec.loader.exec_module(torch_matrix)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))
+    assert set(torch.spot_checked) <= set(torch_matrix.RELEASES)

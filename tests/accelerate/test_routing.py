@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from tests.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT  # noqa: E402
 from tests.models import Control, Gradless, build, ds_config, train  # noqa: E402
 
 
@@ -43,7 +44,8 @@ def test_block_routes_through_safe_zero_and_no_block_stays_stock(ranks, world_si
         assert r["safe"]["optimizer"] == "SafeDeepSpeedZeroOptimizer"
         assert len(r["safe"]["losses"]) == 2
         assert not r["stock"]["session"] and r["stock"]["optimizer"] == "DeepSpeedZeroOptimizer"
-        assert "'NoneType' object has no attribute" in r["stock"]["error"], "stock ZeRO-2 fails on the grad-less param"
+        if HOOK_RUNS_WITHOUT_A_GRADIENT:
+            assert "'NoneType' object has no attribute" in r["stock"]["error"], "stock ZeRO-2 stops on the grad-less"
         assert r["stock"]["warned"], "a stock run while safe_zero routing is bound is announced on rank 0"
         assert r["restored"]
 
