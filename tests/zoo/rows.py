@@ -34,6 +34,15 @@ def remote_architectures() -> list[Architecture]:
 def build_model(arch: Architecture) -> torch.nn.Module:
     return remote.load(arch.model_type.removeprefix(_REMOTE_PREFIX)) if arch.kind == REMOTE else build(arch)
 
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT's LoRA (rank 2) on the attention's ``q_proj``/``v_proj``, everything else frozen (the tower too, which
+    still has to be gathered wherever it runs), as a LoRA fine-tune of a VLM's language model is."""
+    import peft
+
+    torch.manual_seed(0)
+    return peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+
 STEPS = 3
 LR = 1e-3
 #: Adam's epsilon, above its default: a gradient that is zero up to rounding (a key projection's bias under softmax)
@@ -102,7 +111,7 @@ def ds_config(stage: int, world_size: int, persistence: int | None = None) -> di
 
 
 def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int, pattern: str = "fixed", seed: int = 0,
-          persistence: int | None = None) -> dict[str, Any]:
+          persistence: int | None = None, lora: bool = False) -> dict[str, Any]:
     """A rank body (``tests.rig``): ``steps(pattern)`` steps; rank 0 returns the full parameters after them."""
     import deepspeed
     import torch.distributed as dist
@@ -112,6 +121,7 @@ def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int, p
     arch, rank = Architecture(model_type, kind), dist.get_rank()
     model = build_model(arch)
     batches = _batches(arch, model, rank, pattern, seed, world_size)
+    model = with_lora(model) if lora else model
     init = safe_zero.initialize if safe else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                       config=ds_config(stage, world_size, persistence))
@@ -129,10 +139,12 @@ def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int, p
     return {"params": state, "losses": losses, "report": report}
 
 
-def reference(arch: Architecture, world_size: int, pattern: str = "fixed", seed: int = 0) -> dict[str, Any]:
+def reference(arch: Architecture, world_size: int, pattern: str = "fixed", seed: int = 0,
+              lora: bool = False) -> dict[str, Any]:
     """Single-process fp32 AdamW + ``clip_grad_norm_`` on the mean of the ranks' losses."""
     model = build_model(arch)
     batches = [_batches(arch, model, rank, pattern, seed, world_size) for rank in range(world_size)]
+    model = with_lora(model) if lora else model
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, eps=EPS, weight_decay=0.0)
     losses = []
@@ -194,14 +206,15 @@ def first_line(error: BaseException) -> str:
 
 
 def run_row(pools: Any, arch: Architecture, stage: int, safe: bool, world_size: int, expected: dict[str, Any],
-            timeout: float = 180, pattern: str = "fixed", seed: int = 0, persistence: int | None = None) -> Outcome:
+            timeout: float = 180, pattern: str = "fixed", seed: int = 0, persistence: int | None = None,
+            lora: bool = False) -> Outcome:
     """One row on ``pools`` (``tests.rig.Pools``); a row that fails leaves its pool to be rebuilt. ``expected`` is
     ``reference(arch, world_size, pattern, seed)``."""
     from tests.rig import RankFailure
 
     try:
         results = pools.run(world_size, train, model_type=arch.model_type, kind=arch.kind, stage=stage, safe=safe,
-                            world_size=world_size, pattern=pattern, seed=seed, persistence=persistence,
+                            world_size=world_size, pattern=pattern, seed=seed, persistence=persistence, lora=lora,
                             timeout=timeout, grace=20)
     except (RankFailure, RuntimeError, TimeoutError) as error:
         return Outcome("failed", detail=first_line(error))

@@ -122,6 +122,16 @@ def test_zero3_is_ddp_exact_when_the_ranks_with_images_change(ranks, model_type,
     assert outcome.verdict == "exact", outcome
 
 
+def test_zero3_lora_on_the_language_model_is_ddp_exact_when_the_ranks_with_images_change(ranks):
+    """PEFT's LoRA on the language model, the tower frozen (gathered wherever it runs, never reduced), ranks skipping
+    it after the recorded step, every parameter partitioned."""
+    pytest.importorskip("peft")
+    arch = _arch("qwen2_5_vl")
+    expected = reference(arch, 2, "rotating", lora=True)
+    outcome = run_row(ranks, arch, 3, True, 2, expected, pattern="rotating", persistence=0, lora=True)
+    assert outcome.verdict == "exact", outcome
+
+
 @pytest.mark.parametrize(("model_type", "pattern"), [("qwen2_audio", "fixed"), ("qwen2_5_vl", "image+video")])
 def test_stock_zero3_fails_on_audio_and_on_image_and_video(ranks, model_type, pattern):
     """Red on stock: the rank with an audio clip gathers the audio tower's weights, the text-only rank does not; the
