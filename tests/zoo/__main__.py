@@ -9,7 +9,8 @@ the same versions are kept in ``.zoo/rows.jsonl`` and skipped on a rerun, so an 
 stopped (``--fresh`` measures the selected rows again).
 
     python -m tests.zoo [--only MODEL_TYPE ...] [--kinds vlm moe_vlm alm moe_lm remote_moe_lm] [--stages 2 3]
-                        [--ranks 2 3] [--patterns fixed late rotating image+video] [--render] [--fresh]
+                        [--ranks 2 3] [--patterns fixed late rotating image+video] [--engines stock safe_zero]
+                        [--render] [--fresh]
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _unbuildable(rows: dict[tuple, dict], arch: Architecture) -> str | None:
 
 def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str],
             stages: tuple[int, ...] = STAGES, ranks: tuple[int, ...] = (2, 3),
-            data: tuple[str, ...] = PATTERNS) -> None:
+            data: tuple[str, ...] = PATTERNS, engines: tuple[bool, ...] = (False, True)) -> None:
     from tests.rig import Pools
 
     pools = Pools()
@@ -119,7 +120,7 @@ def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[st
                                         for p in patterns(arch) if p in data):
                 expected = None
                 for stage in stages:
-                    for safe in (False, True):
+                    for safe in engines:
                         key = (arch.model_type, stage, world_size, safe, pattern)
                         if key in rows:
                             continue
@@ -217,6 +218,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ranks", nargs="*", type=int, default=[2, 3], help="these world sizes only")
     parser.add_argument("--patterns", nargs="*", default=list(PATTERNS), choices=PATTERNS,
                         help="these data patterns only")
+    parser.add_argument("--engines", nargs="*", default=["stock", "safe_zero"], choices=["stock", "safe_zero"],
+                        help="these engines only")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     current = versions()
@@ -227,7 +230,8 @@ def main(argv: list[str]) -> None:
     census(everything, rows, current)
     if not args.render:
         measure([a for a in everything if a.kind in args.kinds and (not args.only or a.model_type in args.only)],
-                rows, current, tuple(args.stages), tuple(args.ranks), tuple(args.patterns))
+                rows, current, tuple(args.stages), tuple(args.ranks), tuple(args.patterns),
+                tuple(engine == "safe_zero" for engine in args.engines))
     TABLE.write_text(render(everything, rows, current))
     print(f"wrote {TABLE.relative_to(ROOT)}")
 
