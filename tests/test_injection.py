@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+from tests.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT
 from tests.models import Control, OddExperts, ZeroSized, build, ds_config, train
 from tests.rig import RankFailure
 
@@ -138,6 +139,8 @@ def _fixes_can_be_switched_off(stage: int) -> str:
     return "trained"
 
 
+@pytest.mark.skipif(not HOOK_RUNS_WITHOUT_A_GRADIENT, reason="this torch runs no hook for a None gradient: stock "
+                    "does not stop on the grad-less parameter, so nothing tells the fix off from on")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_fix_switched_off_in_the_config_is_really_off(ranks, stage):
     # ZeRO-3's hooks first run long after initialize returned: they must still see the caller's options.
