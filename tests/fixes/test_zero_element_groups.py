@@ -215,3 +215,17 @@ def test_zero_to_fp32_has_every_parameter_with_its_shape(ranks, tmp_path, stage)
     if stage == 1:
         assert "empty.weight" not in r["deepspeed"]
     assert r["safe_zero"] == r["module"] and r["safe_zero"]["empty.weight"] == (0, 8)
+
+
+def test_gradless_zero_fill_keeps_a_zero_element_shape_under_the_older_unflatten():
+    """The gradless fix's zero gradients are views of one buffer: a zero-element parameter's keeps its shape on torch
+    <= 2.9 too (else autograd refuses it: "attempting to assign a gradient of size '[0]' to a tensor of size
+    '[0, 8]'", seen on torch 2.5.1, 2.6.0 and 2.8.0)."""
+    from safe_zero.fixes.gradless.collectives import zero_grads_for
+    from safe_zero.session import Session
+
+    params = [torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(0, 8))]
+    with legacy_unflatten():
+        zero_grads_for([(p, p.shape, "cpu", "had no gradient") for p in params], set(), Session())
+    assert [tuple(p.grad.shape) for p in params] == [(4, 8), (0, 8)]
+    assert not params[0].grad.any()

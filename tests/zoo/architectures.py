@@ -17,12 +17,15 @@ from typing import Any, Callable
 import torch
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto import modeling_auto
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
     MODEL_MAPPING_NAMES,
 )
+
+#: The multimodal-LM mapping (audio, speech and omni models too); transformers before it (the floor, 4.50) has none.
+MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES = getattr(modeling_auto, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {})
 
 KINDS = ("vlm", "moe_vlm", "moe_lm", "alm")
 #: The kinds whose batches carry a modality (an image, or an audio clip for "alm") on some ranks and not others.

@@ -132,7 +132,8 @@ def zero_grads_for(wanted: Sequence[tuple[torch.nn.Parameter, torch.Size, Any, s
             if sizes and (param.dtype != dtype or at != device or total + size > ZERO_FILL_CHUNK):
                 break
             sizes.append(size)
-            total, end, as_shaped = total + size, end + 1, as_shaped and param.shape == shape
+            # torch <= 2.9's unflatten turns a zero-element shape such as (0, 8) into (0,): those take the views.
+            total, end, as_shaped = total + size, end + 1, as_shaped and param.shape == shape and size > 0
         run = wanted[start:end]
         flat = torch.zeros(total, dtype=dtype, device=device)
         if as_shaped:  # the views in one C call
