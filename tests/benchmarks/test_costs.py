@@ -176,8 +176,9 @@ def scaled_costs(stage: int, model: str, safe: bool, tensors: int = 200, steps: 
 
 #: (model, stage) -> the first-step bytes safe_zero adds per trainable tensor (the README's 9-25 B), and the most
 #: calls into safe_zero per tensor per step after the first: one per gradient hook (ZeRO-3: also one per module it
-#: gathers, forward and backward) and a few dozen per step (at 1,000 tensors 1.03, 1.25 and 2.16).
-SCALED = {("moe", 2): (9.0, 1.2), ("moe", 3): (17.3, 1.45), ("transformer", 3): (25.0, 2.35)}
+#: gathers, forward and backward) and a few dozen per step (at 1,000 tensors 1.03, 1.25 and 2.16). ZeRO-3's second step
+#: also keeps the recorded step's events for the shadow (``gradless/shadow.py``): a handful of calls, once.
+SCALED = {("moe", 2): (9.0, 1.2), ("moe", 3): (17.3, 1.47), ("transformer", 3): (25.0, 2.37)}
 
 
 @pytest.mark.parametrize("model, stage", list(SCALED))
@@ -185,7 +186,7 @@ def test_scaled_models_cost_bytes_once_a_call_per_hook_and_some_state(ranks, mod
     """On about 200 tiny tensors: the first step adds 9 B per tensor at ZeRO-2 and 17-25 B at ZeRO-3 (the agreement,
     each rank's hook order, 4 or 8 B per tensor per rank, and at ZeRO-3 8 B per rank per module); later steps are
     stock's, bytes included; safe_zero makes about one call per gradient hook (ZeRO-3: also per module gathered), and
-    its state stays under 500 B per tensor."""
+    its state stays under 520 B per tensor."""
     _skip_stock_zero2(stage)
     stock = ranks.run(WORLD, scaled_costs, stage=stage, model=model, safe=False)[0]
     safe = ranks.run(WORLD, scaled_costs, stage=stage, model=model, safe=True)
@@ -196,7 +197,8 @@ def test_scaled_models_cost_bytes_once_a_call_per_hook_and_some_state(ranks, mod
         assert sum(n for name, n in added.items() if name.endswith("_bytes")) / tensors == pytest.approx(first, abs=0.1)
         assert [_added(a, b) for a, b in zip(stock["collectives"][1:], rank["collectives"][1:])] == [{}, {}]
         assert tensors < rank["calls_per_step"] <= calls * tensors, rank["calls_per_step"] / tensors
-        assert 0 < rank["state"] / tensors < 500
+        # 489 B per tensor on the transformer before the shadow kept the recorded step's events (2 B each, 413 here)
+        assert 0 < rank["state"] / tensors < 520
 
 
 @pytest.mark.parametrize("model, tensors", [("moe", 189), ("moe_rank_dependent", 189), ("transformer", 194)])

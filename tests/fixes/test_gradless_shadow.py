@@ -63,13 +63,14 @@ def replay(recorded: list[Event], own: list[Event]) -> list[Event]:
     for event in recorded:
         shadow.record(event)
     shadow.commit()
+    recorded_fetches = [e for e in recorded if e.kind == FETCH]
     made: list[Event] = []
     held: dict[tuple[int, bool], int] = {}
     fetches = 0
     for event in own:
         key = (event.module, event.forward)
         if not shadow.shadowing and event.kind == FETCH:
-            following = fetches < len(shadow._fetches) and recorded[shadow._fetches[fetches]] == event
+            following = fetches < len(recorded_fetches) and recorded_fetches[fetches] == event
             if not following:
                 shadow.start(fetches, lambda e: held.get((e.module, e.forward), 0) > 0)
         if shadow.shadowing:

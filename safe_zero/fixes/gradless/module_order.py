@@ -437,15 +437,23 @@ class AgreesOnModulesWhileRecording:
         order.recording = []
         order.forwards += 1
         order.rest_queued = False
-        shadow = order.shadow
-        shadow.commit() if recorded else shadow.restart() if self.is_complete_trace() else shadow.discard()
+        # A step that followed the recorded order tracked nothing: no call for it (per step, every step).
+        shadow, followed = order.shadow, order.phase is Phase.FOLLOWING
+        if recorded:
+            shadow.commit()
+        elif not self.is_complete_trace():
+            shadow.discard()
+        elif not followed:
+            shadow.restart()
         if order.on:
             order.phase = (Phase.RECORDING if self.is_record_trace() else
                            Phase.FOLLOWING if self.is_complete_trace() else Phase.UNRECORDED)
             # A recording step records its releases for the shadow; a following one needs the override only for kept
             # modules (or once it shadows).
-            watch = resume if order.phase is Phase.RECORDING or order.kept else pass_through
-            watch(self, "release_sub_module", AgreesOnModulesWhileRecording)
+            watch = order.phase is Phase.RECORDING or bool(order.kept)
+            idle = self.__dict__.get("_safe_zero_idle", {}).get("release_sub_module", ())
+            if watch == (AgreesOnModulesWhileRecording in idle):
+                (resume if watch else pass_through)(self, "release_sub_module", AgreesOnModulesWhileRecording)
         order.read = set()
         _watch_reads(order.dicts, self if order.phase is Phase.RECORDING else None)
         self.module_clock.restart()
