@@ -126,3 +126,14 @@ def test_a_rank_that_runs_a_module_more_often_than_the_recorded_step_is_not_shad
     shadow.commit()
     shadow.start(6, lambda e: False)  # the root, embed (fetch + release), tower, patch, block, merger: then the tower
     assert shadow.catch_up(Event(FETCH, TOWER, True)) is None
+
+
+def test_a_model_of_more_modules_than_two_bytes_count_records_them_all():
+    """2 bytes an event up to 16,383 modules; beyond, the recording widens and loses none."""
+    shadow = Shadow()
+    events = [Event(FETCH, 7, True), Event(FETCH, 20_000, True), Event(RELEASE, 20_000, True), Event(RELEASE, 7, True)]
+    for event in events:
+        shadow.record(event)
+    shadow.commit()
+    shadow.start(1, lambda e: True)
+    assert shadow.catch_up(Event(RELEASE, 7, True)) == events[1:3]

@@ -56,7 +56,7 @@ class Shadow:
         self._fetches: list[int] = []
         #: Where this step stands in :attr:`recorded` once it left the order (``None``: it follows the order).
         self.cursor: int | None = None
-        #: Releases before :attr:`cursor`'s first fetch this rank made already (skipped when caught up).
+        #: Indices of recorded releases this rank made already, before it knew it left the order (skipped).
         self._done: frozenset[int] = frozenset()
 
     # -- recording -----------------------------------------------------------------------------------------------
