@@ -97,7 +97,7 @@ def test_the_checks_get_torch_cuda_arch_list_without_arch_suffixes():
 @pytest.mark.skipif(DEEPSPEED_VERSION < Version("0.19.0"),
                     reason="DeepSpeed < 0.19 JIT-builds for the visible GPUs and does not read TORCH_CUDA_ARCH_LIST")
 def test_an_arch_list_deepspeeds_builder_cannot_parse_is_given_it_without_suffixes(monkeypatch):
-    """The H200 image sets TORCH_CUDA_ARCH_LIST=9.0a, on which every DeepSpeed JIT build failed (2026-12-04)."""
+    """Hopper images set TORCH_CUDA_ARCH_LIST=9.0a, on which every DeepSpeed JIT build fails."""
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
     builder = FusedAdamBuilder()
