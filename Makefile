@@ -111,7 +111,7 @@ lock: $(VENV_NEWEST)/.green
 		echo '$(TORCH_PIN)'; } | sort -f; } > $(CONSTRAINTS).new
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
-# Step time against stock in the same rounds: a dated table on top of benchmarks/RESULTS.md (about half an hour; a
+# Step time against stock in the same rounds: a dated table on top of .bench/RESULTS.md (about half an hour; a
 # quick look: BENCH_ARGS="--rows control --stages 2 --rounds 2 --builds 1"). The other costs are tests/benchmarks.
 BENCH_ARGS ?=
 bench: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""``make bench``: safe_zero's step time against stock DeepSpeed's, in the same rounds; a dated table in RESULTS.md.
+"""``make bench``: safe_zero's step time against stock DeepSpeed's, in the same rounds; a dated table in .bench/.
 
 Per row (a model at a ZeRO stage), each of 2 CPU/gloo ranks builds a stock, a second stock and a safe_zero engine
 (and any engine the row adds) and steps each once per round, in every order in turn (``bodies.stepped_seconds``), in
@@ -10,7 +10,8 @@ timed with ``"find_unused_parameters": false``, no rank agreement), ``moe`` and 
 1,000 trainable tensors, so per-tensor work dominates a step; ``CI=true``: about 200), ``moe_rank_dependent`` (each
 rank runs other experts; at ZeRO-2 also against stock made right by hand). Deterministic costs (collectives,
 first-step bytes, calls per tensor, state, alignment padding) are tests, in tests/benchmarks. The section goes on top
-of benchmarks/RESULTS.md (the last ``KEEP`` kept), the raw rounds to .bench/results.json (not committed).
+of .bench/RESULTS.md (the last ``KEEP`` kept), the raw rounds to .bench/results.json: reports of runs, not committed
+(docs/cost.md states the targets and the last full timing).
 
     python benchmarks/run.py [--rows control,moe] [--sizes 1000,20000] [--stages 2,3] [--rounds N] [--builds N]
 """
@@ -38,7 +39,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 from benchmarks import bodies  # noqa: E402
 from tests.rig import DistPool  # noqa: E402
 
-RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+RESULTS_MD = os.path.join(ROOT, ".bench", "RESULTS.md")
 RAW_JSON = os.path.join(ROOT, ".bench", "results.json")
 #: Sections RESULTS.md keeps, newest first.
 KEEP = 10

@@ -6,7 +6,9 @@ baselines train what safe_zero trains. The deterministic costs are asserted in `
 """
 
 import importlib.util
+import os
 import random
+import subprocess
 
 import pytest
 
@@ -52,6 +54,15 @@ def test_make_bench_writes_a_section_on_top_of_results_md(tmp_path, monkeypatch)
     assert '| *`"find_unused_parameters": false` (no rank agreement) against stock* | | ' in new
     assert "`import safe_zero` after `import deepspeed`: 45 ms" in new
     assert (tmp_path / "raw.json").exists()
+
+
+def test_make_bench_writes_its_reports_where_git_ignores_them():
+    """A run's report is an output: neither its Markdown section nor its raw rounds land in a tracked path."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if subprocess.run(["git", "rev-parse", "--git-dir"], cwd=root, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    for path in (run.RESULTS_MD, run.RAW_JSON):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=root).returncode == 0, path
 
 
 def _runs(draw: random.Random, runs: int, gap: float, shift: float = 0.0, rounds: int = 10) -> list:
