@@ -7,8 +7,8 @@ over ``TESTS``: each fix's own tests, and the tests of what reaches into torch i
 uneven-input ``Join``, the JIT build lock, grouped_mm alignment). The floor runs the whole suite in
 ``make test-floor``, CI's 2.13.0 in ``make test``.
 
-Writes the table (release x fix -> stock, safe_zero) to ``scripts/torch_matrix.md`` and into docs/versions.md
-between the ``torch-matrix`` markers. Exit status 1 if any test failed.
+Prints the table (release x fix -> stock, safe_zero) and writes it into docs/versions.md between the ``torch-matrix``
+markers. Exit status 1 if any test failed.
 
     make torch-matrix                                   # every release below
     TORCH_MATRIX_RELEASES="2.6.0" make torch-matrix     # a subset
@@ -46,8 +46,6 @@ def main() -> int:
         # Written after every release, so an interrupted run still leaves what it measured.
         table = matrix._table(rows, (time.time() - started) / 60, axis="torch",
                               ran_on=f"DeepSpeed {DEEPSPEED}, PyPI's torch builds", other=OTHER)
-        with open(os.path.join(matrix.ROOT, "scripts", "torch_matrix.md"), "w") as f:
-            f.write(table + "\n")
         matrix._write_readme(table, START, END)
     print(table)
     return 1 if matrix.broken(rows) else 0

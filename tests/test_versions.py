@@ -1,5 +1,5 @@
 """The supported-versions table (safe_zero/versions.py) against pyproject.toml, the CI constraints and the README;
-the DeepSpeed matrix against docs/versions.md."""
+the DeepSpeed and torch matrices in docs/versions.md against the scripts that write them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from safe_zero import versions
+from safe_zero import FIXES, versions
 from safe_zero.errors import UnsupportedVersionError
 from safe_zero.versions import SUPPORTED, Supported
 
@@ -127,42 +127,62 @@ def test_an_integration_refuses_a_framework_older_than_its_floor(monkeypatch):
     versions.require("lightning", "safe_zero.lightning", installed_as="pytorch-lightning")
 
 
-def test_readme_matrix_is_the_matrix_scripts_last_output():
-    """docs/versions.md's DeepSpeed matrix is what `make matrix` last wrote (scripts/matrix.md), dated and at a
-    commit."""
+def _script(name: str):
+    """``scripts/<name>.py`` as a module (``torch_matrix`` imports ``matrix`` beside it)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))
+    return module
+
+
+def _shown(marker: str) -> str:
     with open(os.path.join(ROOT, "docs", "versions.md")) as f:
-        readme = f.read()
-    with open(os.path.join(ROOT, "scripts", "matrix.md")) as f:
-        written = f.read().strip()
-    shown = readme.split("<!-- matrix:start -->", 1)[1].split("<!-- matrix:end -->", 1)[0].strip()
-    assert shown == written
-    assert re.search(r"Last run: \d{4}-\d{2}-\d{2} at commit [0-9a-f]{7}", written)
-    # The script's next run covers the DeepSpeed floor.
-    spec = importlib.util.spec_from_file_location("matrix", os.path.join(ROOT, "scripts", "matrix.py"))
-    matrix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(matrix)
+        return f.read().split(f"<!-- {marker}:start -->", 1)[1].split(f"<!-- {marker}:end -->", 1)[0].strip()
+
+
+def _as_the_script_writes(shown: str, matrix, **table_args) -> None:
+    """``shown`` is what ``matrix._table`` writes for the rows it shows: a column per fix, the conditions it ran under
+    (machine, CPUs, what it ran on, minutes) and no date or commit, which belong to git."""
+    header, _, *body = shown.splitlines()
+    names = [cell.strip().strip("`") for cell in header.strip("|").split("|")][1:]
+    other = table_args.get("other", matrix.OTHER)
+    assert set(names) == {*FIXES, other}, names
+    rows = {}
+    for line in body:
+        if not line.startswith("| "):
+            break
+        release, *cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[release] = dict(zip([matrix.OTHER if n == other else n for n in names], cells, strict=True))
+    ran = re.fullmatch(r"Run on (\S+), (\d+) CPUs, (.+), CPU/gloo, (\d+) min\.", shown.splitlines()[-1])
+    assert ran and not re.search(r"\d{4}-\d{2}-\d{2}|\b[0-9a-f]{7,40}\b", ran[0]), shown.splitlines()[-1]
+    written = matrix._table(rows, float(ran[4]), ran_on=ran[3], **table_args).splitlines()
+    assert shown.splitlines()[:-1] == written[:-1]
+
+
+def test_the_deepspeed_matrix_in_the_docs_is_what_make_matrix_writes():
+    """docs/versions.md's DeepSpeed matrix is written by `make matrix`: a row per release it runs (the DeepSpeed floor
+    among them, every one allowed), in its format."""
+    matrix = _script("matrix")
+    shown = _shown("matrix")
+    _as_the_script_writes(shown, matrix)
+    assert re.findall(r"^\| (\d+\.\d+\.\d+) \|", shown, re.M) == sorted(matrix.RELEASES, key=Version)
     assert SUPPORTED["deepspeed"].floor in matrix.RELEASES
     assert all(release in SUPPORTED["deepspeed"].allowed for release in matrix.RELEASES)
 
 
 def test_spot_checked_torch_releases_are_the_torch_matrix_green_rows():
-    """The releases doctor calls spot-checked are those `make torch-matrix` last ran green (scripts/torch_matrix.md,
-    shown in docs/versions.md), and it runs them again next time."""
-    with open(os.path.join(ROOT, "scripts", "torch_matrix.md")) as f:
-        written = f.read().strip()
-    with open(os.path.join(ROOT, "docs", "versions.md")) as f:
-        shown = f.read().split("<!-- torch-matrix:start -->", 1)[1].split("<!-- torch-matrix:end -->", 1)[0].strip()
-    assert shown == written
-    rows = re.findall(r"^\| (\d+\.\d+\.\d+) \|(.*)\|$", written, re.M)
+    """The releases doctor calls spot-checked are those `make torch-matrix` last ran green (its table in
+    docs/versions.md), and it runs them again next time."""
+    torch_matrix = _script("torch_matrix")
+    shown = _shown("torch-matrix")
+    _as_the_script_writes(shown, torch_matrix.matrix, axis="torch", other=torch_matrix.OTHER)
+    rows = re.findall(r"^\| (\d+\.\d+\.\d+) \|(.*)\|$", shown, re.M)
     green = {release for release, cells in rows if not re.search(r"\d+ failed|install failed|import failed", cells)}
     torch = SUPPORTED["torch"]
     assert rows and set(torch.spot_checked) == green, (torch.spot_checked, rows)
     assert all(Version(torch.floor) < Version(r) < Version(torch.newest) for r in torch.spot_checked)
-    spec = importlib.util.spec_from_file_location("torch_matrix", os.path.join(ROOT, "scripts", "torch_matrix.py"))
-    torch_matrix = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))  # it imports make matrix's script beside it
-    try:
-        spec.loader.exec_module(torch_matrix)
-    finally:
-        sys.path.remove(os.path.join(ROOT, "scripts"))
     assert set(torch.spot_checked) <= set(torch_matrix.RELEASES)
