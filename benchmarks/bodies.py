@@ -1,4 +1,4 @@
-"""The bench's models and rank bodies: each body runs on every rank of a CPU/gloo pool (``tests/rig.py``).
+"""The bench's models and rank bodies: each body runs on every rank of a CPU/gloo pool (``rig``).
 
 ``benchmarks/run.py`` times :func:`stepped_seconds`; ``tests/benchmarks`` asserts the deterministic costs
 (collectives, first-step bytes, calls, state) on the same models and engines.

@@ -37,7 +37,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 from benchmarks import bodies  # noqa: E402
-from tests.rig import DistPool  # noqa: E402
+from rig import DistPool  # noqa: E402
 
 RESULTS_MD = os.path.join(ROOT, ".bench", "RESULTS.md")
 RAW_JSON = os.path.join(ROOT, ".bench", "results.json")

@@ -8,8 +8,8 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 
 import pytest  # noqa: E402
 
+from rig import Pools  # noqa: E402
 from safe_zero.probes import deepspeed_shm_segments, release_shm  # noqa: E402
-from tests.rig import Pools  # noqa: E402
 
 _SHM_BEFORE: set[str] = set()
 

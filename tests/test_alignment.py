@@ -17,7 +17,7 @@ from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 from safe_zero.options import pass_config
 from safe_zero.options import SafeZeroOptions
 from safe_zero.session import Session
-from tests.models import OddExperts, TinyGptOss, build, ds_config, skip_without_grouped_mm_transformers
+from tests.support.models import OddExperts, TinyGptOss, build, ds_config, skip_without_grouped_mm_transformers
 
 
 

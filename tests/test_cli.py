@@ -16,7 +16,7 @@ from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
 from safe_zero.op_builds import STALE_AFTER_S, build_directory, lock_is_advisory
 from safe_zero.versions import SUPPORTED
-from tests.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT
+from tests.support.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +41,7 @@ def test_demo_shows_stock_failing_and_safe_zero_training():
 
 
 def test_doctor_probes_agree_with_the_declared_versions_and_reads_a_model():
-    result = _run("doctor", "--json", "tests.models:ZeroSized")
+    result = _run("doctor", "--json", "tests.support.models:ZeroSized")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     deepspeed_row = report["versions"]["deepspeed"]

@@ -12,6 +12,12 @@ import pathlib
 from typing import Callable
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "safe_zero"
+REPOSITORY = PACKAGE.parent
+#: What is not the library: the tests and the code beside them (the rank rig, the bench, scripts, examples).
+BESIDE = ("tests", "rig", "benchmarks", "scripts", "examples")
+#: Test modules a module may still import, by importer: the replay world test_module_order_replay takes from
+#: test_gradless_planner moves into safe_zero (issue 49), and this entry goes with it.
+STILL_IMPORTED = {"tests.fixes.test_module_order_replay": {"tests.fixes.test_gradless_planner"}}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -19,13 +25,18 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, pathlib.Path]:
-    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _modules(*roots: pathlib.Path) -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for root in roots or (PACKAGE,) for p in root.rglob("*.py")}
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:``: imports for annotations only, which never run (a type may name a module above)."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
 def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
     """Imports that run when the module is imported: not inside a function or class body."""
-    found, todo = [], list(tree.body)
+    found, todo = [], [node for node in tree.body if not _type_checking_only(node)]
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -36,8 +47,11 @@ def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
 
 
 def _all_imports(tree: ast.Module) -> list[ast.stmt]:
-    """Every import of the module, also those inside functions (they run later, but would cycle if moved up)."""
-    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    """Every import of the module that runs, also those inside functions (they run later, but would cycle if moved
+    up)."""
+    skipped = {id(n) for top in tree.body if _type_checking_only(top) for n in ast.walk(top)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped]
 
 
 def _edges(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path],
@@ -128,3 +142,55 @@ def test_no_module_imports_another_modules_private_names():
                 offenders += [f"{name}: {alias.name} from {node.module}" for alias in node.names
                               if alias.name.startswith("_") and not alias.name.startswith("__")]
     assert not offenders, offenders
+
+
+def _test_modules_imported(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """By importer, the test modules (``test_*``) among ``modules`` it imports, inside functions too."""
+    found = {name: {target for target in _edges(name, path, modules, _all_imports)
+                    if target.rpartition(".")[2].startswith("test_")} for name, path in modules.items()}
+    return {name: targets for name, targets in found.items() if targets}
+
+
+def _tests_imported_beside(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """By importer outside ``tests``, what of ``tests`` it imports."""
+    found = {name: {target for target in _edges(name, path, modules, _all_imports) if target.split(".")[0] == "tests"}
+             for name, path in modules.items() if name.split(".")[0] != "tests"}
+    return {name: targets for name, targets in found.items() if targets}
+
+
+def test_no_module_imports_a_test_module():
+    """What several test modules share lives in support modules (``tests/support/``, or an area's own non-test
+    modules such as ``tests/lightning/cases.py``): a test module changes its private helpers without breaking
+    another, and a reader finds what is shared in one place."""
+    found = _test_modules_imported(_modules(*(REPOSITORY / root for root in BESIDE)))
+    new = {name: targets - STILL_IMPORTED.get(name, set()) for name, targets in found.items()}
+    new = {name: targets for name, targets in new.items() if targets}
+    assert not new, f"test modules imported by other modules: {new}; move what they share to tests/support/"
+
+
+def test_nothing_beside_the_tests_imports_them():
+    """The bench, the rig, scripts and examples run without the test package: what they share with the tests
+    lives outside it (the rig is a top-level package for that)."""
+    found = _tests_imported_beside(_modules(*(REPOSITORY / root for root in BESIDE)))
+    assert not found, found
+
+
+def test_the_checkers_see_a_test_module_imported_and_tests_imported_beside_them(tmp_path):
+    """The checkers themselves: an absolute import, a relative one inside a function, and a support module imported
+    by the bench, each seen; a test module importing a support module is fine."""
+    sources = {"tests/__init__.py": "", "tests/fixes/__init__.py": "", "tests/support/__init__.py": "",
+               "tests/lightning/__init__.py": "", "tests/support/models.py": "",
+               "tests/fixes/test_a.py": "from tests.fixes.test_b import helper\n",
+               "tests/fixes/test_b.py": "from tests.support import models\n",
+               "tests/lightning/cases.py": "def f():\n    from ..fixes import test_b\n",
+               "benchmarks/run.py": "import tests.support.models\n"}
+    modules = {}
+    for relative, text in sources.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        parts = pathlib.Path(relative).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    assert _test_modules_imported(modules) == {"tests.fixes.test_a": {"tests.fixes.test_b"},
+                                               "tests.lightning.cases": {"tests.fixes.test_b"}}
+    assert _tests_imported_beside(modules) == {"benchmarks.run": {"tests", "tests.support", "tests.support.models"}}

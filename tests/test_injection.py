@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from tests.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT
-from tests.models import Control, OddExperts, ZeroSized, build, ds_config, train
-from tests.rig import RankFailure
+from rig import RankFailure
+from tests.support.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT
+from tests.support.models import Control, OddExperts, ZeroSized, build, ds_config, train
 
 
 def _bindings_now():
@@ -129,7 +129,7 @@ def test_the_safe_zero_block_is_read_from_a_config_file(ranks, tmp_path, via_arg
 def _fixes_can_be_switched_off(stage: int) -> str:
     import safe_zero
 
-    from tests.models import Gradless
+    from tests.support.models import Gradless
 
     model = build(Gradless)
     config = ds_config(stage)
@@ -213,7 +213,7 @@ def test_deepcompile_is_refused_for_an_moe_whose_blocks_zero3_must_gather_whole(
     import safe_zero
     from deepspeed.utils import z3_leaf_module
 
-    from tests.models import ExpertMoE
+    from tests.support.models import ExpertMoE
 
     model = build(ExpertMoE)
     config = {"zero_optimization": {"stage": 3}, "compile": {"deepcompile": True}}

@@ -6,7 +6,7 @@ from torch import nn
 from safe_zero.doctor import analyse_model
 from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_modules
 from safe_zero.options import SafeZeroConfigError, SafeZeroOptions
-from tests.models import Control, ExpertMoE, OptionalTower, RootExperts, build
+from tests.support.models import Control, ExpertMoE, OptionalTower, RootExperts, build
 
 
 def test_a_block_with_an_experts_module_list_is_detected_and_the_root_never_is():
@@ -21,7 +21,7 @@ def test_a_block_with_an_experts_module_list_is_detected_and_the_root_never_is()
 def test_the_options_add_and_remove_classes():
     model = build(ExpertMoE)
     assert list(moe_blocks(model, remove=["ExpertBlock"])) == []
-    assert list(moe_blocks(model, remove=["tests.models.ExpertBlock"])) == []
+    assert list(moe_blocks(model, remove=["tests.support.models.ExpertBlock"])) == []
     assert list(moe_blocks(model, add=["Linear"], remove=["ExpertBlock"])) == ["inp", "moe.router", "moe.experts.0",
                                                                                "moe.experts.1", "moe.experts.2",
                                                                                "moe.experts.3", "head"]

@@ -187,7 +187,7 @@ def test_a_build_is_announced_and_a_finished_one_is_not(extensions, kind):
 
 
 def test_the_rig_refuses_a_stale_lock_before_starting_ranks(extensions, monkeypatch):
-    from tests.rig import DistPool
+    from rig import DistPool
 
     monkeypatch.setattr(op_builds, "lock_is_advisory", lambda: False)
     _lock(extensions, OLD)

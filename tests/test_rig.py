@@ -1,6 +1,6 @@
 import pytest
 
-from tests.rig import RankFailure
+from rig import RankFailure
 
 # The rig is safe_zero's own code, the same on every DeepSpeed release.
 pytestmark = pytest.mark.main_leg_only
@@ -69,7 +69,7 @@ def test_a_dying_rank_is_reported_with_its_exit_code(ranks):
 
 def test_closing_a_pool_releases_the_shm_workspaces_deepspeed_leaves():
     from safe_zero.probes import deepspeed_shm_segments
-    from tests.rig import DistPool
+    from rig import DistPool
 
     pool = DistPool(2)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models import ZeroSized, build, ds_config, train
+from tests.support.models import ZeroSized, build, ds_config, train
 
 STEPS = 60
 

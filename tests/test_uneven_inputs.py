@@ -12,37 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.fixes.test_gradless_params_ranks import MISMATCH, _main_stack
-from tests.models import OptionalTower, build
-from tests.rig import RankFailure
-
-LR = 1e-2
-TOLERANCE = 1e-5
-
-
-class Regression(nn.Module):
-    """Two linear layers and the loss: the forward returns it, as a model with labels does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (self.b(torch.relu(self.a(x))) - y).pow(2).mean()
+from rig import RankFailure
+from tests.support.collective_mismatch import MISMATCH, main_stack
+from tests.support.models import OptionalTower, build
+from tests.support.uneven_inputs import LR, TOLERANCE, Regression, config, max_error
 
 
 def batch(rank: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + i)
     return torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
-
-
-def config(stage: int, world_size: int, accumulation: int, dtype: str) -> dict:
-    return {"train_batch_size": 2 * accumulation * world_size, "train_micro_batch_size_per_gpu": 2,
-            "gradient_accumulation_steps": accumulation,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-            **({"bf16": {"enabled": True}} if dtype == "bf16" else {})}
 
 
 def _train(counts: list[int], stage: int, world_size: int, accumulation: int = 1, dtype: str = "fp32",
@@ -142,11 +120,6 @@ def reference_phases(phases: list[list[int]], world_size: int, accumulation: int
                 opt.zero_grad()
         seen = [s + c for s, c in zip(seen, counts)]
     return {n: p.detach().clone() for n, p in net.named_parameters()}
-
-
-def max_error(params: dict, expected: dict) -> float:
-    assert params.keys() == expected.keys()
-    return max((params[n] - expected[n]).abs().max().item() for n in expected)
 
 
 #: Per rank, how many micro-batches it has: one rank with none after the first step, and three different counts.
@@ -332,7 +305,7 @@ def test_stock_deepspeed_hangs_where_a_rank_saves_while_the_others_step(ranks, t
     assert "UnevenInputsError" not in text
     if isinstance(error, TimeoutError):
         assert "finished: []" in text, text
-        stacks = {r: _main_stack((tmp_path / f"stack{r}.txt").read_text()) for r in range(2)}
+        stacks = {r: main_stack((tmp_path / f"stack{r}.txt").read_text()) for r in range(2)}
         for rank, stack in stacks.items():
             assert stack and stack[0].split(":")[0].endswith("torch/distributed/distributed_c10d.py"), (rank, stack)
         assert any(frame.endswith(":save_checkpoint") for frame in stacks[1]), stacks[1]

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from tests.accelerate.launch import EXAMPLES, accelerate_launch, by_phase, results  # noqa: E402
-from tests.bodies import FRAGMENT_ASSERT, UNFLATTEN_LOSES_EMPTY_SHAPE  # noqa: E402
+from tests.support.bodies import FRAGMENT_ASSERT, UNFLATTEN_LOSES_EMPTY_SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Accelerate at world size 2 with each rank on its own batches: an MoE whose ranks use different experts trains as
-one process trains on the global batch (``tests/fixes/test_gradless_params_ranks.py``'s reference).
+one process trains on the global batch (``tests/support/rank_dependent.py``'s reference).
 
 The ranks of the rank pool are the processes an ``accelerate launch`` would start (``LOCAL_RANK`` set, gloo): the
 ``Accelerator`` gets a ``SafeDeepSpeedPlugin``, prepares the model, a client AdamW and a loader over
@@ -15,18 +15,10 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests.fixes.test_gradless_params_ranks import (LR, MODELS, STEPS,  # noqa: E402
-                                                    assert_trained_on_its_batches_as_the_reference, config,
-                                                    dealt_rows)
-from tests.models import build  # noqa: E402
-
-
-def rank_dependent_config(world_size: int) -> dict:
-    """``config``'s ZeRO-2 fp32 run (clipping at 1.0) with the optimizer left to the client: a ``torch.optim.AdamW``
-    as the reference's, which DeepSpeed takes as an untested ZeRO optimizer."""
-    ds = config(2, world_size)
-    del ds["optimizer"]
-    return {**ds, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+from tests.support.models import build  # noqa: E402
+from tests.support.rank_dependent import (LR, MODELS, STEPS,  # noqa: E402
+                                          assert_trained_on_its_batches_as_the_reference, dealt_rows,
+                                          rank_dependent_config)
 
 
 def _accelerate_trains_rank_dependent_experts() -> dict:

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from tests.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT  # noqa: E402
-from tests.models import Control, Gradless, build, ds_config, train  # noqa: E402
+from tests.support.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT  # noqa: E402
+from tests.support.models import Control, Gradless, build, ds_config, train  # noqa: E402
 
 
 def _route(stage: int, world_size: int) -> dict:

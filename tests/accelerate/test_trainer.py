@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from tests.accelerate.launch import accelerate_launch, by_phase  # noqa: E402
-from tests.accelerate.test_rank_dependent import rank_dependent_config  # noqa: E402
-from tests.fixes.test_gradless_params_ranks import (LR, MODELS, STEPS,  # noqa: E402
-                                                    assert_trained_on_its_batches_as_the_reference, dealt_rows)
-from tests.models import build  # noqa: E402
+from tests.support.models import build  # noqa: E402
+from tests.support.rank_dependent import (LR, MODELS, STEPS,  # noqa: E402
+                                          assert_trained_on_its_batches_as_the_reference, dealt_rows,
+                                          rank_dependent_config)
 
 SCRIPT = "tests/accelerate/trainer_script.py"
 

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests.models import build  # noqa: E402
-from tests.test_uneven_inputs import LR, TOLERANCE, Regression, config, max_error  # noqa: E402
+from tests.support.models import build  # noqa: E402
+from tests.support.uneven_inputs import LR, TOLERANCE, Regression, config, max_error  # noqa: E402
 
 ROWS = 10  # 5 batches of 2, dealt round-robin: rank 0 gets 3, rank 1 gets 2
 

@@ -15,7 +15,7 @@ import pytest
 from benchmarks import bodies
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import skip_without_grouped_mm_transformers
+from tests.support.models import skip_without_grouped_mm_transformers
 
 # Counted on the main leg's DeepSpeed (another release makes other collectives and calls).
 pytestmark = pytest.mark.main_leg_only

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import skip_without_grouped_mm_transformers
+from tests.support.models import skip_without_grouped_mm_transformers
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

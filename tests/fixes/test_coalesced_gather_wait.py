@@ -19,7 +19,7 @@ from torch import nn
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import coalesced_gather_wait
-from tests.models import build, ds_config, train
+from tests.support.models import build, ds_config, train
 
 NEEDED = coalesced_gather_wait.FIX.needed(DEEPSPEED_VERSION)
 

@@ -8,10 +8,10 @@ needs ``zero_element_groups``) are checked. On 0.19.x stock already works and th
 import pytest
 from packaging.version import Version
 
+from rig import RankFailure
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
-from tests.bodies import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
-from tests.rig import RankFailure
+from tests.support.bodies import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
 
 NEEDED = flat_buffer_autograd.FIX.needed(DEEPSPEED_VERSION)
 

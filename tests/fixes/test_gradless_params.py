@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tests.models import Gradless, build, ds_config, train
-from tests.rig import RankFailure
+from rig import RankFailure
+from tests.support.models import Gradless, build, ds_config, train
 
 
 def _train_gradless(stage: int, safe: bool, world_size: int, steps: int = 3) -> dict:

@@ -24,129 +24,13 @@ import pytest
 import torch
 from packaging.version import Version
 
+from rig import RankFailure
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.errors import ReentrantCheckpointWarning
 from safe_zero.fixes import flat_buffer_autograd
-from tests.models import (CheckpointedMoE, CheckpointedTower, ExpertMoE, ForeignReadingTower, FrozenTower,
-                          FunctionalReadingTower, LateCheckpointedMoE, MovingScale, NonReentrantCheckpointedMoE,
-                          OptionalTower, ReadingTower, RootExperts, SometimesShifted, TiedTower, VideoTower,
-                          WholeReadingTower, build, expert_batch)
-from tests.rig import RankFailure
-
-STEPS = 3
-TOLERANCE = 1e-5
-LR = 1e-2
-#: experts each rank's tokens are routed to: every expert is used somewhere, every rank misses two.
-ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0, 1], [2, 3], [1, 2]]}
-#: ``tower-late``: every rank carries an image in the first step only, then none (the same on every rank);
-#: ``tower-skip-later``: every rank carries one in the first step, then rank 1 never again.
-#: ``tower-rotating`` (``tower-reads-rotating``: ``ReadingTower``): every rank carries one in the first step, then the
-#: ranks that do alternate (step 2: the odd ranks, step 3: the even ones); ``tower-checkpointed-rotating``
-#: (``CheckpointedTower``), ``tower-frozen-rotating`` (``FrozenTower``) alike.
-#: ``video-first`` (``VideoTower``): rank 0 carries an image and a video in the first step, the others an image; then
-#: the ranks' runs of the tower change (``VIDEO_RUNS``). ``video-later``: every rank carries an image in the first step.
-#: ``moe-shuffled``: each step every rank's experts move one on, so hooks fire in other orders than in the first step.
-#: ``tower-moving``: the ranks that carry an image change every step.
-#: ``shift``: ``body.shift`` is used by rank 0 in the first step and skipped by some rank in each later one;
-#: ``shift-later``: rank 0 skips it in the first step. ``moving``: ``body.scale``'s gradient arrives before the
-#: child's gathers in even steps and after them in odd ones, alike on every rank; ``moving-rank1``: on rank 1 only.
-#: ``moe-dense``, ``shift-all``, ``tower-all``: every rank uses every parameter in every step (stock is right there).
-#: ``moe-root``: the experts of ``moe`` hang off the model's root.
-MODELS = {"moe": ExpertMoE, "moe-dense": ExpertMoE, "moe-shuffled": ExpertMoE, "moe-checkpointed": CheckpointedMoE,
-          "moe-checkpointed-nonreentrant": NonReentrantCheckpointedMoE,
-          "moe-checkpointed-late": LateCheckpointedMoE,
-          "tower": OptionalTower, "tower-late": OptionalTower, "tower-skip-later": OptionalTower,
-          "tower-moving": OptionalTower, "shift": SometimesShifted, "shift-later": SometimesShifted,
-          "moving": MovingScale, "moving-rank1": MovingScale, "shift-all": SometimesShifted,
-          "tower-all": OptionalTower, "moe-root": RootExperts, "tower-reads": ReadingTower,
-          "tower-rotating": OptionalTower, "tower-reads-rotating": ReadingTower,
-          "tower-checkpointed-rotating": CheckpointedTower, "tower-frozen-rotating": FrozenTower,
-          "video-first": VideoTower, "video-later": VideoTower,
-          "tower-reads-foreign": ForeignReadingTower, "tower-tied": TiedTower,
-          "tower-functional": FunctionalReadingTower, "tower-whole-reads": WholeReadingTower}
-
-
-#: Per step, each rank's runs of ``VideoTower``'s tower (rank 3 takes rank 0's): 2 an image and a video, 1 an image, 0
-#: text only.
-VIDEO_RUNS = {"video-first": [(2, 1, 1), (1, 2, 0), (0, 1, 2)], "video-later": [(1, 1, 1), (1, 2, 0), (2, 0, 1)]}
-
-
-def _carries_an_image(model: str, rank: int, micro: int) -> bool:
-    if model == "tower-moving":
-        return (rank + micro) % 2 == 0
-    if model in ("tower-all", "tower-late"):
-        return model == "tower-all" or micro == 0
-    if model == "tower-skip-later":
-        return micro == 0 or rank != 1
-    if model.endswith("-rotating"):
-        return micro == 0 or (rank + micro) % 2 == 0
-    return rank % 2 == 0  # odd ranks carry no image
-
-
-def _video_batch(model: str, rank: int, micro: int, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> tuple:
-    runs = VIDEO_RUNS[model][micro % STEPS][rank % 3]
-    image = torch.randn(2, 4, generator=g) if runs >= 1 else None
-    return x, y, image, torch.randn(2, 4, generator=g) if runs == 2 else None
-
-
-def micro_batch(model: str, rank: int, world_size: int, micro: int) -> tuple:
-    """The inputs of ``rank`` at micro-step ``micro`` (the same on every run)."""
-    seed = 1000 * micro + rank
-    if model == "moe-dense":  # every rank routes tokens to every expert
-        return expert_batch(ROUTES[1][0], seed)
-    if model == "moe-shuffled":
-        return expert_batch([(e + micro) % 4 for e in ROUTES[world_size][rank]], seed)
-    if model.startswith("moe"):
-        return expert_batch(ROUTES[world_size][rank], seed)
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
-    if model.startswith("video"):
-        return _video_batch(model, rank, micro, x, y, g)
-    if model.startswith("shift"):
-        return x, y, model == "shift-all" or (rank + micro) % 3 != (0 if model == "shift-later" else 2)
-    if model.startswith("moving"):
-        return x, y, micro % 2 == 1 and (model == "moving" or rank == 1)
-    image = torch.randn(2, 4, generator=g) if _carries_an_image(model, rank, micro) else None
-    return x, y, image
-
-
-def dealt_rows(model: str, world_size: int, steps: int = STEPS, by: str = "batch") -> list[tuple]:
-    """Every rank's ``micro_batch`` of every step as one dataset of ``(x, y)`` rows, laid out so that a
-    data-parallel loader over it (no shuffling, 2 rows a batch) hands each rank its own: ``by="batch"`` for a loader
-    that deals whole batches round-robin (Accelerate's ``BatchSamplerShard``), ``by="sample"`` for one that deals
-    rows (``DistributedSampler``, as Lightning injects it). What the integrations' rank-dependent tests train on."""
-    batches = {(r, s): micro_batch(model, r, world_size, s) for r in range(world_size) for s in range(steps)}
-    rows = len(batches[0, 0][0])
-    order = ([(r, s, i) for s in range(steps) for r in range(world_size) for i in range(rows)] if by == "batch" else
-             [(r, s, i) for s in range(steps) for i in range(rows) for r in range(world_size)])
-    return [(batches[r, s][0][i], batches[r, s][1][i]) for r, s, i in order]
-
-
-def assert_trained_on_its_batches_as_the_reference(result: dict, model: str, world_size: int) -> None:
-    """One rank of an integration's run over ``dealt_rows``: its loader handed it its own ``micro_batch`` each step
-    (``result["seen"]``), and its parameters after ``STEPS`` are the single-process reference's."""
-    assert len(result["seen"]) == STEPS, len(result["seen"])
-    for step, x in enumerate(result["seen"]):
-        assert torch.equal(x, micro_batch(model, result["rank"], world_size, step)[0]), (result["rank"], step)
-    assert max_error(result, reference(model, world_size)) < TOLERANCE
-
-
-def config(stage: int, world_size: int, accumulation: int = 1, safe_zero: dict | None = None, *,
-           dtype: str = "fp32", optimizer: str = "adamw", **zero) -> dict:
-    """``optimizer="sgd"``: the engine gets a client ``torch.optim.SGD`` (see ``_train``) and no clipping, so an
-    update is ``-LR`` times the reduced gradient: a gradient-scale error shows in the parameters at full size."""
-    return {
-        **({"safe_zero": safe_zero} if safe_zero else {}),
-        "train_batch_size": 2 * accumulation * world_size,
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": accumulation,
-        **({"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-            "gradient_clipping": 1.0} if optimizer == "adamw" else
-           {"gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}),
-        **({"bf16": {"enabled": True}} if dtype == "bf16" else {}),
-        "zero_optimization": {"stage": stage, **zero},
-        "steps_per_print": 10**9,
-    }
+from tests.support.collective_mismatch import MISMATCH, main_stack
+from tests.support.models import OptionalTower, ReadingTower, build
+from tests.support.rank_dependent import LR, MODELS, STEPS, TOLERANCE, config, max_error, micro_batch, reference
 
 
 def _cast(batch: tuple, dtype: str) -> tuple:
@@ -277,21 +161,6 @@ def _slow(seconds: float, **kwargs) -> dict:
     return _train(**kwargs)
 
 
-#: What a rank says when the ranks' collectives do not pair up: DeepSpeed's trace check, gloo's size checks (raised,
-#: or printed by a process gloo aborts), and gloo on a rank whose peer such an abort took away.
-MISMATCH = re.compile(r"Detected a disagreement on list contents|collective mismatch|doesn't match expected size|"
-                      r"op\.preamble\.length <= op\.nbytes|Connection reset by peer|Connection closed by peer")
-
-
-def _main_stack(log: str) -> list[str]:
-    """The frames (``File "...", line N in f``, innermost first) of the rig's job thread in a faulthandler dump."""
-    for block in re.split(r"\n(?=Thread 0x|Current thread 0x)", log):
-        frames = re.findall(r'File "([^"]+)", line \d+ in (\S+)', block)
-        if any(fn == "_worker" for _, fn in frames):
-            return [f"{path}:{fn}" for path, fn in frames]
-    return []
-
-
 def stock_failure(ranks, tmp_path, world_size: int = 2, timeout: float = 60, body: str = "_train",
                   **kwargs) -> tuple[BaseException, dict[int, str]]:
     """Run a body that must fail on stock DeepSpeed, watched (``_watched``): the rig's error and each rank's log.
@@ -339,7 +208,7 @@ def assert_collective_mismatch(error: BaseException, logs: dict[int, str], expec
             said.append(found.group(0))
     assert said, f"no rank reported a collective mismatch: {text}\n" + "\n".join(logs.values())
     for rank in stuck:
-        stack = _main_stack(logs[rank])
+        stack = main_stack(logs[rank])
         assert stack, f"rank {rank} never returned and left no stack dump: {logs[rank]}"
         assert stack[0].split(":")[0].endswith("torch/distributed/distributed_c10d.py"), (
             f"rank {rank} never returned but was not waiting in a collective: {stack[:6]}")
@@ -350,27 +219,6 @@ def _cpu_skips_uncontiguous_all_reduce() -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import split_half_float_double
 
     return split_half_float_double([torch.zeros(1)]) == []
-
-
-def reference(model: str, world_size: int, accumulation: int = 1, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
-    """Single-process fp32 training on the global batch: AdamW + ``clip_grad_norm_`` as configured above, or
-    (``optimizer="sgd"``) plain SGD without clipping."""
-    net = build(MODELS[model])
-    trainable = [p for p in net.parameters() if p.requires_grad]
-    adamw = optimizer == "adamw"
-    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0) if adamw else torch.optim.SGD(trainable, lr=LR)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for micro in range(accumulation):
-            losses = [net(*micro_batch(model, r, world_size, step * accumulation + micro)) for r in range(world_size)]
-            (torch.stack(losses).mean() / accumulation).backward()
-        for p in trainable:  # ZeRO steps whole flat groups: a parameter no rank used gets a zero gradient, not None
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if adamw:
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-    return {name: p.detach().clone() for name, p in net.named_parameters()}
 
 
 def gradients_at(result: dict) -> list[dict[str, torch.Tensor]]:
@@ -407,10 +255,6 @@ def relative_grad_error(result: dict) -> float:
         scale = max(w.abs().max().item() for w in want.values())
         errors.append(max((got[n] - want[n]).abs().max().item() for n in want) / scale)
     return max(errors)
-
-
-def max_error(result: dict, expected: dict[str, torch.Tensor]) -> float:
-    return max((result["params"][n] - expected[n]).abs().max().item() for n in expected if n in result["params"])
 
 
 #: fp32: a reduced gradient's largest difference from the single-process one, over each step's largest element
@@ -685,7 +529,7 @@ def test_the_stock_failure_check_refuses_a_run_that_is_only_slow(ranks, tmp_path
     error, logs = stock_failure(ranks, tmp_path, timeout=12, body="_slow", seconds=30, model="moe-dense", safe=False,
                                 stage=3)
     assert isinstance(error, TimeoutError), error
-    assert _main_stack(logs[1])[0].endswith(":_slow"), logs[1]  # rank 1 was caught asleep
+    assert main_stack(logs[1])[0].endswith(":_slow"), logs[1]  # rank 1 was caught asleep
     with pytest.raises(AssertionError, match="no rank reported a collective mismatch"):
         assert_collective_mismatch(error, logs)
     with pytest.raises(AssertionError, match="never returned but was not waiting in a collective"):
@@ -746,7 +590,7 @@ def test_stock_zero3_hangs_where_a_rank_skips_a_module_after_the_recorded_step(r
     error, logs = stock_failure(ranks, tmp_path, model="tower-skip-later", safe=False, stage=3, timeout=30)
     assert isinstance(error, TimeoutError), error
     for rank, log in logs.items():
-        stack = _main_stack(log)
+        stack = main_stack(log)
         # waiting on a gather: in torch.distributed, or in DeepSpeed's fetch (its handle's wait)
         assert any(f.endswith(":fetch_sub_module") or "torch/distributed/" in f for f in stack[:8]), (rank, stack[:8])
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 from packaging.version import Version
 
+from rig import RankFailure
 from safe_zero._compat import DEEPSPEED_VERSION
-from tests.models import (OddExperts, TinyGptOss, batches, build, cpu_fused_adam, ds_config,
-                          skip_without_grouped_mm_transformers)
-from tests.rig import RankFailure
+from tests.support.grouped_mm import BF16_OPTIMIZER_REACHABLE
+from tests.support.models import (OddExperts, TinyGptOss, batches, build, cpu_fused_adam, ds_config,
+                                  skip_without_grouped_mm_transformers)
 
 ROUTES = {
     "zero1": ("DeepSpeedZeroOptimizer", dict(stage=1)),
@@ -25,17 +26,6 @@ ROUTES = {
     "fused_stage0": ("FP16_Optimizer", dict(stage=0, client_optimizer=True)),
 }
 MODELS = {"odd": OddExperts, "gpt_oss": TinyGptOss}
-
-
-def _bf16_optimizer_reachable() -> bool:
-    # Early 0.18.x releases gave BFLOAT16 and DDP_BFLOAT16 the same value ("bf16"), so ZeRO-1 + bf16 + fp32
-    # accumulation lands on FP16_UnfusedOptimizer, which keeps every parameter in its own tensor.
-    from deepspeed.runtime import constants
-
-    return constants.BFLOAT16 != constants.DDP_BFLOAT16
-
-
-BF16_OPTIMIZER_REACHABLE = _bf16_optimizer_reachable()
 # A flat-buffer route safe_zero lays out itself (no DeepSpeed padding) on every release.
 OWN_ROUTE = "bf16_optimizer" if BF16_OPTIMIZER_REACHABLE else "fused_stage0"
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
-from tests.fixes.test_grouped_mm_checkpoints import _has_parameter_alignment, _zero12_config
-from tests.fixes.test_grouped_mm_world_sizes import LAYOUTS, _engine, _route_config, _train
-from tests.models import OddExperts, build
+from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
+from tests.support.grouped_mm import (BF16_OPTIMIZER_REACHABLE, LAYOUTS, build_engine, route_config, train_recording,
+                                      zero12_config)
+from tests.support.models import OddExperts, build
 
 UNIVERSAL = "python -m deepspeed.checkpoint.ds_to_universal"
 
@@ -95,14 +95,11 @@ class RenamedOddExperts(OddExperts):
             del self.__dict__["odd"]
 
 
-LAYOUTS["renamed_odd"] = RenamedOddExperts
-
-
 # --- ZeRO-1/2, laid out again by name (DeepSpeed < 0.19.7, where safe_zero reorders instead of padding) -------------
 
 def _zero12_save(case: str, ckpt: str, alignment: bool) -> None:
-    engine = _engine("odd", _zero12_config(case, alignment=alignment), safe=True)
-    _train(engine, 1, [])
+    engine = build_engine("odd", zero12_config(case, alignment=alignment), safe=True)
+    train_recording(engine, 1, [])
     engine.save_checkpoint(ckpt, tag=f"aligned_{alignment}")
 
 
@@ -124,33 +121,34 @@ def _zero12_refusals_body(case: str, ckpt: str) -> dict[str, str]:
     out: dict[str, str] = {}
     _zero12_save(case, ckpt, alignment=True)  # safe_zero's order, recorded by name
     _zero12_save(case, ckpt, alignment=False)  # stock's order (what stock DeepSpeed writes, plus safe_zero's records)
-    config = _zero12_config(case)
+    config = zero12_config(case)
 
     # Parameter groups: the optimizer's groups changed since the checkpoint; a group marked expert-parallel.
     out["groups"] = _refusal(_with_groups("odd", config, _two_groups), ckpt, "aligned_True")
     out["expert_parallel"] = _refusal(_with_groups("odd", config, _expert_parallel_group), ckpt, "aligned_False")
 
     # A parameter missing by name (another model; its module weights load non-strict), or with another size.
-    out["renamed"] = _refusal(_engine("renamed_odd", config, safe=True), ckpt, "aligned_False",
+    out["renamed"] = _refusal(build_engine(RenamedOddExperts, config, safe=True), ckpt, "aligned_False",
                               load_module_strict=False)
     resized = _edited(ckpt, "aligned_True", "resized", lambda state: _resize(state, "odd", 2))
-    out["resized"] = _refusal(_engine("odd", _zero12_config(case, alignment=False), safe=True), ckpt, resized)
+    out["resized"] = _refusal(build_engine("odd", zero12_config(case, alignment=False), safe=True), ckpt, resized)
 
     # Padding between parameters (what DeepSpeed >= 0.19.7 writes with parameter_alignment): not a permutation.
     def padded(state: dict) -> None:
         state[PARAM_ALIGNMENT_PADDINGS] = [[0, 5] + [0] * (len(state[PARAM_SLICE_MAPPINGS][0]) - 2)]
 
-    out["padded"] = _refusal(_engine("odd", config, safe=True), ckpt, _edited(ckpt, "aligned_False", "padded", padded))
+    out["padded"] = _refusal(build_engine("odd", config, safe=True), ckpt,
+                             _edited(ckpt, "aligned_False", "padded", padded))
 
     # An earlier safe_zero: the flat order recorded by position only; under round_robin_gradients DeepSpeed's slice
     # mappings then follow the group order, not the flat buffer's, so no name is known to be where.
     earlier = _edited(ckpt, "aligned_True", "earlier", lambda state: state.pop(FLAT_NAMES_KEY))
-    out["earlier"] = _refusal(_engine("odd", _zero12_config(case, alignment=False), safe=True), ckpt, earlier)
+    out["earlier"] = _refusal(build_engine("odd", zero12_config(case, alignment=False), safe=True), ckpt, earlier)
     return out
 
 
 def _zero12_skip() -> None:
-    if _has_parameter_alignment():
+    if DEEPSPEED_PADS_PARAMETERS:
         pytest.skip("DeepSpeed >= 0.19.7 pads ZeRO-1/2 (parameter_alignment): safe_zero keeps stock's order there")
 
 
@@ -181,13 +179,13 @@ def test_zero12_checkpoints_that_cannot_be_mapped_by_name_are_refused(ranks, tmp
 
 def _world_size_routes() -> list[str]:
     routes = ["bf16_optimizer"] if BF16_OPTIMIZER_REACHABLE else []
-    return routes + ([] if _has_parameter_alignment() else ["stage2"])
+    return routes + ([] if DEEPSPEED_PADS_PARAMETERS else ["stage2"])
 
 
 def _world_size_save_body(ckpt: str, routes: list[str]) -> None:
     for route in routes:
-        engine = _engine("odd", _route_config(route), safe=True)  # reordered
-        _train(engine, 1, [])
+        engine = build_engine("odd", route_config(route), safe=True)  # reordered
+        train_recording(engine, 1, [])
         engine.save_checkpoint(ckpt, tag=route)
 
 
@@ -198,9 +196,9 @@ def _world_size_load_body(ckpt: str, routes: list[str]) -> dict[str, dict[str, s
 
     out: dict[str, dict[str, str]] = {}
     for route in routes:
-        config = _route_config(route)
+        config = route_config(route)
         config["safe_zero"] = {"alignment": False}  # stock's order
-        engine = _engine("odd", config, safe=True)
+        engine = build_engine("odd", config, safe=True)
         got = out[route] = {}
         try:
             engine.load_checkpoint(ckpt, tag=route)
@@ -247,24 +245,24 @@ def _order_as_list(reorder: Callable[[list[int]], list[int]]) -> Callable[[dict]
 def _permuted_refusals_body(ckpt: str) -> dict[str, str]:
     out: dict[str, str] = {}
     if BF16_OPTIMIZER_REACHABLE:
-        config = _route_config("bf16_optimizer")
-        engine = _engine("odd", config, safe=True)
-        _train(engine, 1, [])
+        config = route_config("bf16_optimizer")
+        engine = build_engine("odd", config, safe=True)
+        train_recording(engine, 1, [])
         engine.save_checkpoint(ckpt, tag="bf16")
         out["groups"] = _refusal(_with_groups("odd", config, _two_groups), ckpt, "bf16")
         same = _edited(ckpt, "bf16", "earlier_same", _order_as_list(list))
-        out["earlier_same"] = _refusal(_engine("odd", config, safe=True), ckpt, same)
+        out["earlier_same"] = _refusal(build_engine("odd", config, safe=True), ckpt, same)
         other = _edited(ckpt, "bf16", "earlier_other", _order_as_list(lambda order: order[::-1]))
-        out["earlier_other"] = _refusal(_engine("odd", config, safe=True), ckpt, other)
+        out["earlier_other"] = _refusal(build_engine("odd", config, safe=True), ckpt, other)
 
     # ZeRO-3 at one rank with sub_group_size cutting a parameter group into several flat sub-groups: a permutation
     # of the group's parameters crosses the sub-groups, which DeepSpeed saves and loads one by one.
-    config = _route_config("stage3")
+    config = route_config("stage3")
     config["zero_optimization"]["sub_group_size"] = 100
-    stock = _engine("odd", config, safe=False)
-    _train(stock, 1, [])
+    stock = build_engine("odd", config, safe=False)
+    train_recording(stock, 1, [])
     stock.save_checkpoint(ckpt, tag="stage3_stock")
-    out["sub_groups"] = _refusal(_engine("odd", config, safe=True), ckpt, "stage3_stock")
+    out["sub_groups"] = _refusal(build_engine("odd", config, safe=True), ckpt, "stage3_stock")
     return out
 
 

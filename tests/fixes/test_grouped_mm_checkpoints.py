@@ -15,16 +15,12 @@ import sys
 import pytest
 import torch
 
-from tests.fixes.test_grouped_mm_world_sizes import _engine, _route_config, _train, _values
-from tests.models import skip_without_grouped_mm_transformers
+from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
+from tests.support.grouped_mm import (BF16_OPTIMIZER_REACHABLE, ZERO12, build_engine, gathered_values, route_config,
+                                      train_recording, zero12_config)
+from tests.support.models import skip_without_grouped_mm_transformers
 
 ROUTES = ["stage1", "stage2", "bf16_optimizer"]
-
-
-def _has_parameter_alignment() -> bool:
-    from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
-
-    return DEEPSPEED_PADS_PARAMETERS
 
 
 def _universal(ckpt: str, tag: str) -> str:
@@ -40,52 +36,52 @@ def _universal(ckpt: str, tag: str) -> str:
 
 
 def _move_body(layout: str, route: str, ckpt: str) -> dict:
-    config = _route_config(route)
+    config = route_config(route)
     out: dict = {}
     # Uninterrupted runs: stock, and safe_zero.
-    stock = _engine(layout, config, safe=False)
-    _train(stock, 2, [])
+    stock = build_engine(layout, config, safe=False)
+    train_recording(stock, 2, [])
     stock.save_checkpoint(ckpt, tag="stock")
-    out["stock_next"] = _train(stock, 2, [])
-    out["stock_values"] = _values(stock)
+    out["stock_next"] = train_recording(stock, 2, [])
+    out["stock_values"] = gathered_values(stock)
     del stock
-    safe = _engine(layout, config, safe=True)
-    _train(safe, 2, [])
+    safe = build_engine(layout, config, safe=True)
+    train_recording(safe, 2, [])
     safe.save_checkpoint(ckpt, tag="safe")
-    out["safe_next"] = _train(safe, 2, [])
-    out["safe_values"] = _values(safe)
+    out["safe_next"] = train_recording(safe, 2, [])
+    out["safe_values"] = gathered_values(safe)
     del safe
 
     # stock -> safe_zero.
-    resumed = _engine(layout, config, safe=True)
+    resumed = build_engine(layout, config, safe=True)
     resumed.load_checkpoint(ckpt, tag="stock")
     out["resumed_seen"] = []
-    out["resumed_next"] = _train(resumed, 2, out["resumed_seen"])
-    out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(_values(resumed), out["stock_values"]))
+    out["resumed_next"] = train_recording(resumed, 2, out["resumed_seen"])
+    out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(gathered_values(resumed), out["stock_values"]))
     del resumed
 
     # safe_zero -> stock: plain DeepSpeed first as the user would run it, then as its error says (ZeRO-1/2: the
     # padded layout needs parameter_alignment), or through a universal checkpoint (a reordered layout).
-    back = _engine(layout, config, safe=False)
+    back = build_engine(layout, config, safe=False)
     try:
         back.load_checkpoint(ckpt, tag="safe")
-        out["back_plain_next"] = _train(back, 2, [])
-        out["back_plain_equal"] = all(torch.equal(a, b) for a, b in zip(_values(back), out["safe_values"]))
+        out["back_plain_next"] = train_recording(back, 2, [])
+        out["back_plain_equal"] = all(torch.equal(a, b) for a, b in zip(gathered_values(back), out["safe_values"]))
     except RuntimeError as error:
         out["back_plain_error"] = str(error)
     del back
     if "back_plain_error" in out:
-        config = _route_config(route)
+        config = route_config(route)
         config["zero_optimization"]["parameter_alignment"] = True
-        back = _engine(layout, config, safe=False)
+        back = build_engine(layout, config, safe=False)
         back.load_checkpoint(ckpt, tag="safe")
     else:
-        config = _route_config(route)
+        config = route_config(route)
         config["checkpoint"] = {"load_universal": True}
-        back = _engine(layout, config, safe=False)
+        back = build_engine(layout, config, safe=False)
         back.load_checkpoint(ckpt, tag=_universal(ckpt, "safe"))
-    out["back_next"] = _train(back, 2, [])
-    out["back_equal"] = all(torch.equal(a, b) for a, b in zip(_values(back), out["safe_values"]))
+    out["back_next"] = train_recording(back, 2, [])
+    out["back_equal"] = all(torch.equal(a, b) for a, b in zip(gathered_values(back), out["safe_values"]))
     for key in ("stock_values", "safe_values"):
         del out[key]
     return out
@@ -102,8 +98,6 @@ def test_grouped_mm_checkpoints_move_between_stock_and_safe_zero(ranks, tmp_path
     if layout != "odd":
         skip_without_grouped_mm_transformers()
     if route == "bf16_optimizer":
-        from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
-
         if not BF16_OPTIMIZER_REACHABLE:
             pytest.skip("this DeepSpeed has no BF16_Optimizer route")
     results = ranks.run(world_size, _move_body, layout=layout, route=route, ckpt=str(tmp_path), timeout=900)
@@ -112,7 +106,7 @@ def test_grouped_mm_checkpoints_move_between_stock_and_safe_zero(ranks, tmp_path
         assert r["resumed_next"] == r["stock_next"] and r["resumed_equal"]
         assert r["resumed_seen"] and set(r["resumed_seen"]) == {0}, r["resumed_seen"]
         # safe_zero -> stock, exact, with the setting DeepSpeed's error names or through ds_to_universal.
-        if route in ("stage1", "stage2") and _has_parameter_alignment():
+        if route in ("stage1", "stage2") and DEEPSPEED_PADS_PARAMETERS:
             assert "parameter_alignment" in r["back_plain_error"]  # DeepSpeed's own refusal, asserted
         if (layout, route) in REORDERED:  # plain DeepSpeed loads a reordered layout silently onto the wrong parameters
             assert not r["back_plain_equal"]
@@ -128,20 +122,20 @@ UNIVERSAL = [("gpt_oss", route) for route in ("stage1", "stage2", "stage3", "bf1
 
 
 def _universal_save_body(layout: str, route: str, ckpt: str) -> dict:
-    safe = _engine(layout, _route_config(route), safe=True)
-    _train(safe, 2, [])
+    safe = build_engine(layout, route_config(route), safe=True)
+    train_recording(safe, 2, [])
     safe.save_checkpoint(ckpt, tag="t")
     tag = _universal(ckpt, "t")
-    return {"tag": tag, "values": _values(safe), "next": _train(safe, 1, [])}
+    return {"tag": tag, "values": gathered_values(safe), "next": train_recording(safe, 1, [])}
 
 
 def _universal_load_body(layout: str, route: str, ckpt: str, tag: str) -> dict:
-    config = _route_config(route)
+    config = route_config(route)
     config["checkpoint"] = {"load_universal": True}
-    safe = _engine(layout, config, safe=True)
+    safe = build_engine(layout, config, safe=True)
     safe.load_checkpoint(ckpt, tag=tag)
     seen: list[int] = []
-    out = {"values": _values(safe), "next": _train(safe, 2, seen)}
+    out = {"values": gathered_values(safe), "next": train_recording(safe, 2, seen)}
     out["seen"] = seen
     return out
 
@@ -151,8 +145,6 @@ def test_a_universal_checkpoint_of_safe_zero_resumes_at_other_world_sizes(ranks,
     if layout == "gpt_oss":
         skip_without_grouped_mm_transformers()
     if route == "bf16_optimizer":
-        from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE
-
         if not BF16_OPTIMIZER_REACHABLE:
             pytest.skip("this DeepSpeed has no BF16_Optimizer route")
     saved = ranks.run(2, _universal_save_body, layout=layout, route=route, ckpt=str(tmp_path), timeout=900)[0]
@@ -171,59 +163,44 @@ def test_a_universal_checkpoint_of_safe_zero_resumes_at_other_world_sizes(ranks,
 # parameter name (issue 16: refused before, naming the universal conversion); the universal checkpoint moves either
 # way exactly too.
 
-ZERO12 = {"stage1": ("stage1", {}), "stage2": ("stage2", {}),
-          "stage2_round_robin": ("stage2", {"round_robin_gradients": True})}
-
-
-def _zero12_config(case: str, alignment: bool = True, load_universal: bool = False) -> dict:
-    route, zero = ZERO12[case]
-    config = _route_config(route)
-    config["zero_optimization"].update(zero)
-    if not alignment:  # safe_zero in stock's flat order
-        config["safe_zero"] = {"alignment": False}
-    if load_universal:
-        config["checkpoint"] = {"load_universal": True}
-    return config
-
-
 def _same(engine, values) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(_values(engine), values))
+    return all(torch.equal(a, b) for a, b in zip(gathered_values(engine), values))
 
 
 def _zero12_move_body(case: str, ckpt: str) -> dict:
     from safe_zero.errors import AlignmentError
 
     def engine(safe: bool, load_universal: bool = False):
-        return _engine("odd", _zero12_config(case, load_universal=load_universal), safe=safe)
+        return build_engine("odd", zero12_config(case, load_universal=load_universal), safe=safe)
 
     out: dict = {"stock_seen": [], "direct_seen": [], "universal_seen": []}
     stock = engine(safe=False)
-    _train(stock, 2, out["stock_seen"])
+    train_recording(stock, 2, out["stock_seen"])
     stock.save_checkpoint(ckpt, tag="stock")
-    out["stock_next"] = _train(stock, 2, [])
-    stock_values = _values(stock)
+    out["stock_next"] = train_recording(stock, 2, [])
+    stock_values = gathered_values(stock)
     del stock
     safe = engine(safe=True)
     out["safe_optimizer"] = type(safe.optimizer).__name__
     out["reordered"] = bool(safe.optimizer._flat_order())
-    _train(safe, 2, [])
+    train_recording(safe, 2, [])
     safe.save_checkpoint(ckpt, tag="safe")
-    out["safe_next"] = _train(safe, 2, [])
-    safe_values = _values(safe)
+    out["safe_next"] = train_recording(safe, 2, [])
+    safe_values = gathered_values(safe)
     del safe
 
     # stock -> safe_zero as is, and through a universal checkpoint.
     direct = engine(safe=True)
     try:
         direct.load_checkpoint(ckpt, tag="stock")
-        out["direct_next"] = _train(direct, 2, out["direct_seen"])
+        out["direct_next"] = train_recording(direct, 2, out["direct_seen"])
         out["direct_equal"] = _same(direct, stock_values)
     except AlignmentError as error:
         out["direct_error"] = str(error)
     del direct
     resumed = engine(safe=True, load_universal=True)
     resumed.load_checkpoint(ckpt, tag=_universal(ckpt, "stock"))
-    out["universal_next"] = _train(resumed, 2, out["universal_seen"])
+    out["universal_next"] = train_recording(resumed, 2, out["universal_seen"])
     out["universal_equal"] = _same(resumed, stock_values)
     del resumed
 
@@ -232,13 +209,13 @@ def _zero12_move_body(case: str, ckpt: str) -> dict:
     try:
         back.load_checkpoint(ckpt, tag="safe")
         out["back_plain_equal"] = _same(back, safe_values)
-        out["back_plain_next"] = _train(back, 2, [])
+        out["back_plain_next"] = train_recording(back, 2, [])
     except RuntimeError as error:
         out["back_plain_error"] = str(error)
     del back
     back = engine(safe=False, load_universal=True)
     back.load_checkpoint(ckpt, tag=_universal(ckpt, "safe"))
-    out["back_universal_next"] = _train(back, 2, [])
+    out["back_universal_next"] = train_recording(back, 2, [])
     out["back_universal_equal"] = _same(back, safe_values)
     return out
 
@@ -256,7 +233,7 @@ def test_zero12_checkpoints_of_a_misaligned_layout_move_or_are_refused_with_the_
     assert "direct_error" not in r, r["direct_error"]
     assert r["direct_next"] == r["stock_next"] and r["direct_equal"], r
     assert r["direct_seen"] and set(r["direct_seen"]) == {0}, r["direct_seen"]
-    if _has_parameter_alignment():
+    if DEEPSPEED_PADS_PARAMETERS:
         assert not r["reordered"]
         assert "parameter_alignment" in r["back_plain_error"]  # back needs the setting DeepSpeed's error names
     else:
@@ -277,26 +254,26 @@ def test_zero12_checkpoints_of_a_misaligned_layout_move_or_are_refused_with_the_
 def _zero12_orders_body(case: str, ckpt: str) -> dict:
     out: dict = {}
     for alignment in (False, True):
-        engine = _engine("odd", _zero12_config(case, alignment=alignment), safe=True)
+        engine = build_engine("odd", zero12_config(case, alignment=alignment), safe=True)
         out[f"reordered_{alignment}"] = bool(engine.optimizer._flat_order())
-        _train(engine, 2, [])
+        train_recording(engine, 2, [])
         engine.save_checkpoint(ckpt, tag=f"aligned_{alignment}")
-        out[f"next_{alignment}"] = _train(engine, 2, [])
-        values = _values(engine)
+        out[f"next_{alignment}"] = train_recording(engine, 2, [])
+        values = gathered_values(engine)
         del engine
-        resumed = _engine("odd", _zero12_config(case, alignment=not alignment), safe=True)
+        resumed = build_engine("odd", zero12_config(case, alignment=not alignment), safe=True)
         resumed.load_checkpoint(ckpt, tag=f"aligned_{alignment}")
         out[f"seen_{not alignment}"] = []
-        out[f"resumed_next_{not alignment}"] = _train(resumed, 2, out[f"seen_{not alignment}"])
+        out[f"resumed_next_{not alignment}"] = train_recording(resumed, 2, out[f"seen_{not alignment}"])
         out[f"resumed_equal_{not alignment}"] = _same(resumed, values)
         del resumed
         if not alignment:
             # Without the names record the checkpoint is what stock writes in this order: mapped from DeepSpeed's
             # slice mappings (fragments on both ranks; stock's round-robin reshuffle recomputed).
             _strip_flat_names(ckpt, "aligned_False")
-            resumed = _engine("odd", _zero12_config(case), safe=True)
+            resumed = build_engine("odd", zero12_config(case), safe=True)
             resumed.load_checkpoint(ckpt, tag="aligned_False")
-            out["stripped_next"] = _train(resumed, 2, [])
+            out["stripped_next"] = train_recording(resumed, 2, [])
             out["stripped_equal"] = _same(resumed, values)
             del resumed
     return out
@@ -319,7 +296,7 @@ def _strip_flat_names(ckpt: str, tag: str) -> None:
 
 @pytest.mark.parametrize("case", list(ZERO12))
 def test_zero12_safe_zero_checkpoints_resume_in_another_flat_order_at_two_ranks(ranks, tmp_path, case):
-    if _has_parameter_alignment():
+    if DEEPSPEED_PADS_PARAMETERS:
         pytest.skip("DeepSpeed >= 0.19.7 pads instead (parameter_alignment); safe_zero does not reorder ZeRO-1/2")
     for r in ranks.run(2, _zero12_orders_body, case=case, ckpt=str(tmp_path), timeout=600):
         assert r["reordered_True"] and not r["reordered_False"], r

@@ -8,67 +8,22 @@ time); CPU grouped_mm does not check alignment, so the tests assert ``data_ptr()
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
 import time
 
 import pytest
 import torch
 
-from tests.models import (Gradless, OddExperts, TinyDeepseekV3, TinyGptOss, TinyOlmoe, TinyQwen3Moe, ZeroSized, batches,
-                          build, ds_config, grouped_mm_transformers, skip_without_grouped_mm_transformers)
+from tests.support.grouped_mm import (BF16_OPTIMIZER_REACHABLE, LAYOUTS, ROUTES, build_engine, gathered_values,
+                                      route_config, train_recording)
+from tests.support.models import OddExperts, ds_config, grouped_mm_transformers, skip_without_grouped_mm_transformers
 
-LAYOUTS = {"deepseek_v3": TinyDeepseekV3, "gpt_oss": TinyGptOss, "qwen3_moe": TinyQwen3Moe, "olmoe": TinyOlmoe,
-           "odd": OddExperts, "zero_sized": ZeroSized, "gradless": Gradless}
 # ZeRO-3 fetch paths: the ordinary fetch with coalesced fetches of several experts (a small prefetch bucket and no
 # persistent parameters), and the all-reduce fetch.
 ZERO3_PATHS = {
     "fetch": {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20000},
     "all_reduce": {"stage3_param_persistence_threshold": 0, "stage3_use_all_reduce_for_fetch_params": True},
 }
-
-
-@contextlib.contextmanager
-def _recording(seen: list[int]):
-    """Record ``data_ptr() % 16`` of every 3-D weight operand handed to grouped_mm."""
-    stock = torch.nn.functional.grouped_mm
-
-    def grouped_mm(mat_a, mat_b, *args, **kwargs):
-        seen.append(mat_b.data_ptr() % 16)
-        return stock(mat_a, mat_b, *args, **kwargs)
-
-    torch.nn.functional.grouped_mm = grouped_mm
-    try:
-        yield
-    finally:
-        torch.nn.functional.grouped_mm = stock
-
-
-def _engine(layout: str, config: dict, safe: bool):
-    import deepspeed
-
-    import safe_zero
-
-    model = build(LAYOUTS[layout])
-    init = safe_zero.initialize if safe else deepspeed.initialize
-    # A copy: DeepSpeed < 0.19 pops "torch_adam" from the config it is given, so a second engine built from the
-    # same dict would get DeepSpeed's own Adam instead of torch's.
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
-    return engine
-
-
-def _train(engine, steps: int, seen: list[int]) -> list[float]:
-    """Steps on one fixed batch (so the loss must fall), recording the grouped_mm operands."""
-    losses = []
-    x = batches(1)[0]
-    with _recording(seen):
-        for _ in range(steps):
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.float().item())
-    return losses
 
 
 def _gathered_offsets(engine) -> list[int]:
@@ -81,45 +36,37 @@ def _gathered_offsets(engine) -> list[int]:
         return [w.data_ptr() % 16 for w in weights]
 
 
-def _values(engine) -> list[torch.Tensor]:
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
-
-
 def _zero3_cell(layout: str, path: str, ckpt: str) -> dict:
     """Stock and safe_zero on one ZeRO-3 path: operands, losses, GatheredParameters, and checkpoints both ways."""
     config = ds_config(3, **ZERO3_PATHS[path])
     out: dict = {"stock_seen": [], "safe_seen": [], "resumed_seen": []}
-    stock = _engine(layout, config, safe=False)
-    out["stock_losses"] = _train(stock, 2, out["stock_seen"])
+    stock = build_engine(layout, config, safe=False)
+    out["stock_losses"] = train_recording(stock, 2, out["stock_seen"])
     stock.save_checkpoint(ckpt, tag="stock")
-    out["stock_next"] = _train(stock, 1, [])
+    out["stock_next"] = train_recording(stock, 1, [])
     del stock
 
     try:
-        safe = _engine(layout, config, safe=True)
+        safe = build_engine(layout, config, safe=True)
     except Exception as error:  # the sweep reports a refusal; the test decides whether it is allowed
         out["safe_error"] = f"{type(error).__name__}: {error}"
         return out
-    out["safe_losses"] = _train(safe, 2, out["safe_seen"])
+    out["safe_losses"] = train_recording(safe, 2, out["safe_seen"])
     out["gathered"] = _gathered_offsets(safe)
     out["reordered"] = bool(safe.optimizer._flat_order())
     safe.save_checkpoint(ckpt, tag="safe")
-    out["safe_values"] = _values(safe)
+    out["safe_values"] = gathered_values(safe)
     del safe
 
     # stock -> safe_zero: the stock checkpoint resumes under safe_zero exactly (after load_checkpoint: aligned).
-    resumed = _engine(layout, config, safe=True)
+    resumed = build_engine(layout, config, safe=True)
     resumed.load_checkpoint(ckpt, tag="stock")
-    out["resumed_next"] = _train(resumed, 1, out["resumed_seen"])
+    out["resumed_next"] = train_recording(resumed, 1, out["resumed_seen"])
     del resumed
     # safe_zero -> stock: the safe_zero checkpoint resumes under plain DeepSpeed with the same values.
-    back = _engine(layout, config, safe=False)
+    back = build_engine(layout, config, safe=False)
     back.load_checkpoint(ckpt, tag="safe")
-    out["back_values_equal"] = all(torch.equal(a, b) for a, b in zip(_values(back), out.pop("safe_values")))
+    out["back_values_equal"] = all(torch.equal(a, b) for a, b in zip(gathered_values(back), out.pop("safe_values")))
     return out
 
 
@@ -193,27 +140,11 @@ def test_zero3_hands_grouped_mm_aligned_operands_at_every_world_size(ranks, tmp_
 
 # --- every stage at world sizes 1-4: whenever stock trains, safe_zero trains ---------------------------------------
 
-ROUTES = {
-    "stage0": dict(stage=0),
-    "stage1": dict(stage=1),
-    "stage2": dict(stage=2),
-    "stage3": dict(stage=3, zero={"stage3_param_persistence_threshold": 0}),
-    "bf16_optimizer": dict(stage=1, data_types={"grad_accum_dtype": "fp32"}),
-}
-
-
-def _route_config(route: str) -> dict:
-    spec = dict(ROUTES[route])
-    config = ds_config(spec.pop("stage"), **spec.pop("zero", {}))
-    config.update(spec)
-    return config
-
-
 def _run(layout: str, route: str, safe: bool) -> dict:
     seen: list[int] = []
     try:
-        engine = _engine(layout, _route_config(route), safe)
-        losses = _train(engine, 2, seen)
+        engine = build_engine(layout, route_config(route), safe)
+        losses = train_recording(engine, 2, seen)
     except Exception as error:
         return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     return {"losses": losses, "seen": seen, "optimizer": type(engine.optimizer).__name__}
@@ -258,8 +189,7 @@ def test_whenever_stock_trains_safe_zero_trains_aligned(ranks, world_size):
     # buffer (ZeRO-1/2, BF16_Optimizer) where stock trains, and in ZeRO-3's partition view at one rank; stage 0 bf16
     # on CPU keeps each parameter in its own tensor, and ZeRO-3 at >= 2 ranks gathers into fresh buffers.
     stock_trains = {cell for cell in results[0] if "error" not in results[0][cell]["stock"]}
-    from tests.fixes.test_grouped_mm_alignment import BF16_OPTIMIZER_REACHABLE  # no flat buffer where it is not
-
+    # No BF16_Optimizer flat buffer where that route is not reachable.
     flat = ("stage1", "stage2") + (("bf16_optimizer",) if BF16_OPTIMIZER_REACHABLE else ())
     expected = {f"odd/{route}" for route in flat} & stock_trains
     if world_size == 1:
@@ -278,15 +208,12 @@ class UnmarkedOddExperts(OddExperts):
         del self.experts._safe_zero_grouped_mm
 
 
-LAYOUTS["unmarked"] = UnmarkedOddExperts
-
-
 def _parameter_alignment_body(safe: bool) -> dict:
-    config = _route_config("bf16_optimizer")
+    config = route_config("bf16_optimizer")
     config["zero_optimization"]["parameter_alignment"] = True
     seen: list[int] = []
-    engine = _engine("unmarked", config, safe)
-    return {"optimizer": type(engine.optimizer).__name__, "seen": seen, "losses": _train(engine, 2, seen)}
+    engine = build_engine(UnmarkedOddExperts, config, safe)
+    return {"optimizer": type(engine.optimizer).__name__, "seen": seen, "losses": train_recording(engine, 2, seen)}
 
 
 def test_parameter_alignment_true_is_honoured_on_the_bf16_optimizer_route(ranks):

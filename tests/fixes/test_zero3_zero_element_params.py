@@ -19,7 +19,7 @@ from torch import nn
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import coalesced_gather_wait
-from tests.models import Control, FrozenEmpty, ZeroSized, batches, build, ds_config
+from tests.support.models import Control, FrozenEmpty, ZeroSized, batches, build, ds_config
 
 EMPTY_SHAPE = (0, 8)
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 from packaging.specifiers import SpecifierSet
 
+from rig import RankFailure
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
-from tests.bodies import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
-from tests.models import ZeroSized, build, cpu_fused_adam, ds_config, train
-from tests.rig import RankFailure
+from tests.support.bodies import FRAGMENT_ASSERT, check_trained_and_restored, train_and_roundtrip
+from tests.support.models import ZeroSized, build, cpu_fused_adam, ds_config, train
 
 NEEDED = zero_element_groups.FIX.needed(DEEPSPEED_VERSION)
 # Stock's symptoms went away release by release (#8280/#8298 in 0.19.6, #8277 in 0.19.7, the rest in
@@ -221,7 +221,7 @@ def test_gradless_zero_fill_keeps_a_zero_element_shape_under_the_older_unflatten
     """The gradless fix's zero gradients are views of one buffer: a zero-element parameter's keeps its shape on torch
     <= 2.9 too (else autograd refuses it: "attempting to assign a gradient of size '[0]' to a tensor of size
     '[0, 8]'", seen on torch 2.5.1, 2.6.0 and 2.8.0)."""
-    from safe_zero.fixes.gradless.collectives import zero_grads_for
+    from safe_zero.fixes.gradless.gradients import zero_grads_for
     from safe_zero.session import Session
 
     params = [torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(0, 8))]

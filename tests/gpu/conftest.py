@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.rig import Pools
+from rig import Pools
 
 #: DeepSpeed op builder of each JIT op a check loads, and how long its build may take.
 OPS = {"fused_adam": "FusedAdamBuilder", "quantizer": "QuantizerBuilder"}

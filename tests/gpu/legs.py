@@ -1,5 +1,5 @@
 """The legs of the GPU checks (``tests/gpu/test_gpu.py``): each builds one stock or one safe_zero engine on every
-rank of a pool (``tests/rig.py``, NCCL) and returns what it saw.
+rank of a pool (``rig``, NCCL) and returns what it saw.
 
 A leg never decides pass or fail: it returns a JSON-able record (the optimizer wrapper it got, the
 ``data_ptr() % 16`` of every grouped_mm operand, losses, shapes, and the error text where it stopped)
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from tests.models import FrozenEmpty
+from tests.support.models import FrozenEmpty
 
 #: Steps every "safe_zero trains" leg takes (on one fixed batch, so a working optimizer makes the loss fall).
 STEPS = 3
@@ -200,7 +200,7 @@ CPU_STAND_IN_LR = 0.5
 def _cpu_fused_optimizer(model: nn.Module) -> Any:
     """On the CPU accelerator (unit tests) DeepSpeed's FusedAdam cannot build: the tests' stand-in reaches
     FP16_Optimizer."""
-    from tests.models import cpu_fused_adam
+    from tests.support.models import cpu_fused_adam
 
     return cpu_fused_adam()(model.parameters(), lr=CPU_STAND_IN_LR)
 
@@ -472,11 +472,11 @@ def quantizer_kernel_leg() -> dict[str, Any]:
 
 
 def _ddp_models() -> dict[str, type]:
-    from tests.models import ExpertMoE
+    from tests.support.models import ExpertMoE
 
     class MixedMoE(ExpertMoE):
-        """``tests.models.ExpertMoE`` (each rank's tokens go to other experts) with a zero-element parameter in a
-        mixed bucket after the MoE block."""
+        """``tests.support.models.ExpertMoE`` (each rank's tokens go to other experts) with a zero-element parameter in
+        a mixed bucket after the MoE block."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -496,7 +496,7 @@ DDP_ROUTES = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]]}
 
 def ddp_batch(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s fixed micro-batch (the same every step, so the global loss must fall)."""
-    from tests.models import expert_batch
+    from tests.support.models import expert_batch
 
     return expert_batch(DDP_ROUTES[world_size][rank], seed=rank)
 

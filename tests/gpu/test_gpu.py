@@ -2,7 +2,7 @@
 
 Run by ``python -m tests.gpu`` (``benchmarks/gpu_check.sh`` on a GPU machine), which exits 2 without CUDA and
 writes a JSON report; skipped in the normal suite (marker ``gpu``). Each test runs its legs (``legs.py``) on a
-pool of 1 or 2 NCCL ranks (``tests/rig.py``), keeps every leg's records in the report (``record_property``) and
+pool of 1 or 2 NCCL ranks (``rig``), keeps every leg's records in the report (``record_property``) and
 asserts that ``claims.py`` finds no problem with them. A 2-rank check needs 2 GPUs: NCCL refuses two ranks on one
 device. The table in docs/gpu_checks.md names every test here without its ``test_`` prefix.
 """
@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import pytest
 
+from rig import RankFailure
 from tests.gpu import claims, legs
-from tests.rig import RankFailure
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """Lightning and Fabric runs shared by the in-process tests (devices=1, on the rank pool) and two_devices.py.
 
 Every case is a module-level function that returns plain data (lists, bools, ints), so the same
-function serves as a rank body of ``tests.rig`` and as one step of the 2-process script.
+function serves as a rank body of ``rig`` and as one step of the 2-process script.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torch.utils.data import DataLoader
 
 import safe_zero
 from safe_zero.probes import DropGrad
+from tests.support import rank_dependent
+from tests.support.grouped_mm import recording
 
 STEPS = 5
 BATCH = 2
@@ -435,11 +437,11 @@ RESUME_STEPS = 4
 
 
 class GptOssModule(pl.LightningModule):
-    """``tests.models.TinyGptOss`` (grouped_mm experts behind 2-element attention sinks) as a LightningModule."""
+    """``tests.support.models.TinyGptOss`` (grouped_mm experts behind 2-element attention sinks), a LightningModule."""
 
     def __init__(self) -> None:
         super().__init__()
-        from tests.models import TinyGptOss
+        from tests.support.models import TinyGptOss
 
         self.core = TinyGptOss()
         self.losses: list[float] = []
@@ -462,12 +464,11 @@ def optimizer_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _fit_gpt_oss(stage: int, devices: int, steps: int, seed: int, seen: list[int], ckpt_path: str | None = None):
     from safe_zero.lightning import SafeDeepSpeedStrategy
-    from tests.fixes.test_grouped_mm_world_sizes import _recording
 
     torch.manual_seed(seed)
     model = GptOssModule()
     trainer = _trainer(SafeDeepSpeedStrategy(stage=stage), devices, steps)
-    with _recording(seen):
+    with recording(seen):
         trainer.fit(model, data(devices), ckpt_path=ckpt_path)
     return trainer, model
 
@@ -521,14 +522,12 @@ def trainer_resumes_stock_checkpoint(stage: int, devices: int, tmp: str) -> dict
 
 
 class RankDependentMoE(pl.LightningModule):
-    """``tests.fixes.test_gradless_params_ranks``'s MoE (each rank's tokens go to other experts) with the reference's
+    """``tests.support.rank_dependent``'s MoE (each rank's tokens go to other experts) with the reference's
     AdamW; records the inputs each step saw."""
 
     def __init__(self) -> None:
         super().__init__()
-        from tests.fixes.test_gradless_params_ranks import MODELS
-
-        self.net = MODELS["moe"]()
+        self.net = rank_dependent.MODELS["moe"]()
         self.seen: list[torch.Tensor] = []
 
     def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
@@ -537,9 +536,7 @@ class RankDependentMoE(pl.LightningModule):
         return self.net(x, y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from tests.fixes.test_gradless_params_ranks import LR
-
-        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+        return torch.optim.AdamW(self.parameters(), lr=rank_dependent.LR, weight_decay=0.0)
 
 
 def trainer_fits_rank_dependent_experts(devices: int) -> dict[str, Any]:
@@ -548,15 +545,13 @@ def trainer_fits_rank_dependent_experts(devices: int) -> dict[str, Any]:
     that each rank trains on its own batches; the MoE's trained weights by name."""
     from torch.utils.data.distributed import DistributedSampler
 
-    from tests.fixes.test_gradless_params_ranks import STEPS as STEPS_RANKS
-    from tests.fixes.test_gradless_params_ranks import dealt_rows
-
-    torch.manual_seed(0)  # as tests.models.build: the reference's initial weights
+    torch.manual_seed(0)  # as tests.support.models.build: the reference's initial weights
     model = RankDependentMoE()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="safe_deepspeed_stage_2", precision="32-true",
-                         max_steps=STEPS_RANKS, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    rows = dealt_rows("moe", devices, by="sample")
+                         max_steps=rank_dependent.STEPS, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    rows = rank_dependent.dealt_rows("moe", devices, by="sample")
     trainer.fit(model, DataLoader(rows, batch_size=2, sampler=DistributedSampler(rows, shuffle=False)))
     engine = trainer.strategy.model
     return {"rank": trainer.global_rank, "world_size": trainer.world_size, "steps": trainer.global_step,

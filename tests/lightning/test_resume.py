@@ -16,7 +16,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 from tests.lightning import cases  # noqa: E402
-from tests.models import skip_without_grouped_mm_transformers  # noqa: E402
+from tests.support.models import skip_without_grouped_mm_transformers  # noqa: E402
 
 WORLD_SIZE = 2
 ENGINES = {2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}

@@ -22,9 +22,10 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.bodies import FRAGMENT_ASSERT  # noqa: E402
+from rig import RankFailure  # noqa: E402
 from tests.lightning import cases  # noqa: E402
-from tests.rig import RankFailure  # noqa: E402
+from tests.support import rank_dependent  # noqa: E402
+from tests.support.bodies import FRAGMENT_ASSERT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPES = {"dense.weight": [8, 8], "dense.bias": [8], "empty.weight": [0, 8], "dqweight": [4, 8], "sink": [3],
@@ -223,13 +224,11 @@ def test_two_process_script_exits_cleanly(two_devices):
 def test_trainer_trains_rank_dependent_experts_on_two_ranks_as_one_process_on_the_global_batch(ranks):
     """Two ranks of the rank pool (a launcher's processes: Lightning launches none), each dealt its own batches by
     Lightning's DistributedSampler: the MoE whose ranks use different experts trains to the weights of
-    single-process fp32 training on the global batch (``tests/fixes/test_gradless_params_ranks.py``)."""
-    from tests.fixes.test_gradless_params_ranks import STEPS, assert_trained_on_its_batches_as_the_reference
-
+    single-process fp32 training on the global batch (``tests/support/rank_dependent.py``)."""
     for r in ranks.run(2, cases.trainer_fits_rank_dependent_experts, devices=2):
-        assert (r["world_size"], r["steps"], r["engine"]) == (2, STEPS, "DeepSpeedEngine")
+        assert (r["world_size"], r["steps"], r["engine"]) == (2, rank_dependent.STEPS, "DeepSpeedEngine")
         assert "gradless_params" in r["fixes_engaged"], r["fixes_engaged"]
-        assert_trained_on_its_batches_as_the_reference(r, "moe", 2)
+        rank_dependent.assert_trained_on_its_batches_as_the_reference(r, "moe", 2)
 
 
 # ---------------------------------------------------------------------------------------------- registry, docs

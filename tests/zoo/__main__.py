@@ -108,7 +108,7 @@ def _unbuildable(rows: dict[tuple, dict], arch: Architecture) -> str | None:
 def measure(archs: list[Architecture], rows: dict[tuple, dict], current: dict[str, str],
             stages: tuple[int, ...] = STAGES, ranks: tuple[int, ...] = (2, 3),
             data: tuple[str, ...] = PATTERNS, engines: tuple[bool, ...] = (False, True)) -> None:
-    from tests.rig import Pools
+    from rig import Pools
 
     pools = Pools()
     try:

@@ -112,7 +112,7 @@ def ds_config(stage: int, world_size: int, persistence: int | None = None) -> di
 
 def train(model_type: str, kind: str, stage: int, safe: bool, world_size: int, pattern: str = "fixed", seed: int = 0,
           persistence: int | None = None, lora: bool = False) -> dict[str, Any]:
-    """A rank body (``tests.rig``): ``steps(pattern)`` steps; rank 0 returns the full parameters after them."""
+    """A rank body (``rig``): ``steps(pattern)`` steps; rank 0 returns the full parameters after them."""
     import deepspeed
     import torch.distributed as dist
 
@@ -208,9 +208,9 @@ def first_line(error: BaseException) -> str:
 def run_row(pools: Any, arch: Architecture, stage: int, safe: bool, world_size: int, expected: dict[str, Any],
             timeout: float = 180, pattern: str = "fixed", seed: int = 0, persistence: int | None = None,
             lora: bool = False) -> Outcome:
-    """One row on ``pools`` (``tests.rig.Pools``); a row that fails leaves its pool to be rebuilt. ``expected`` is
+    """One row on ``pools`` (``rig.Pools``); a row that fails leaves its pool to be rebuilt. ``expected`` is
     ``reference(arch, world_size, pattern, seed)``."""
-    from tests.rig import RankFailure
+    from rig import RankFailure
 
     try:
         results = pools.run(world_size, train, model_type=arch.model_type, kind=arch.kind, stage=stage, safe=safe,

@@ -11,7 +11,7 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
 from safe_zero._compat import DEEPSPEED_VERSION
-from tests.models import Control, FPQuantLike, Gradless, ZeroSized, build, ds_config, train
+from tests.support.models import Control, FPQuantLike, Gradless, ZeroSized, build, ds_config, train
 
 #: 0.18.x before 0.19.6 asserts ``fragment start N should be < fragment_end N`` on FPQuantLike at ZeRO-1/2 (#8298).
 FRAGMENT_ASSERT = DEEPSPEED_VERSION in SpecifierSet("<0.19.6")

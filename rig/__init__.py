@@ -1,5 +1,8 @@
 """Run a function on 1 or more ranks in long-lived worker processes: the tests' and the benchmarks' rig.
 
+A top-level package of the repository, outside ``tests`` so that the benchmarks import no test code, and outside
+``safe_zero`` so that the wheel does not ship it.
+
 CPU ranks join a gloo group (the default); ``backend="nccl"`` puts rank r on GPU r (``tests/gpu``).
 
 Starting a process and importing DeepSpeed costs seconds; a pool per world size pays that once
