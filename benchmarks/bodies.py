@@ -248,7 +248,7 @@ def trainable_tensors(module: nn.Module) -> int:
 
 
 def describe(model: str, tensors: int = 0) -> dict[str, Any]:
-    """The model's shape and trainable tensor count (built on CPU, no engine): for the tables and the tests."""
+    """The model's shape and trainable tensor count (built on CPU, no engine): for the tests and the tables."""
     module = MODELS[model](tensors)
     described = {"shape": getattr(module, "shape", "4 x Linear(256, 256)"), "tensors": trainable_tensors(module),
                  "elements": sum(p.numel() for p in module.parameters() if p.requires_grad)}

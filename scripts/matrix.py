@@ -72,7 +72,7 @@ def _outcomes(junit: str) -> dict[str, collections.Counter]:
     """test file -> Counter of passed / failed / xfailed / skipped, from pytest's JUnit XML."""
     per_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for case in ET.parse(junit).getroot().iter("testcase"):
-        # tests.fixes.test_x[.TestClass]; a module skipped at collection has no classname, its name is the module.
+        # classname: the test module, dotted, then any TestClass; a module skipped at collection has it as its name.
         parts = (case.get("classname") or case.get("name", "")).split(".")
         module_end = next(i for i, part in enumerate(parts) if part.startswith("test_")) + 1
         path = "/".join(parts[:module_end]) + ".py"
