@@ -18,16 +18,15 @@ apart from a slow rank; the store can, at a cost the training steps barely carry
   micro-step; it does not wait, as stock does not.
 
 What it cannot see: a rank that leaves by other ways (its process ends, a barrier, the process group destroyed)
-before the others post their next micro-step. This module imports nothing of DeepSpeed: the replays
-(``tests/test_rank_progress.py``) run it over torch's ``HashStore`` with one thread per rank.
+before the others post their next micro-step. This module imports nothing of DeepSpeed or torch: ``uneven_inputs``
+hands it the store and the engine's keys there (``safe_zero.ranks``), and the replays (``tests/test_rank_progress.py``)
+run it over torch's ``HashStore`` with one thread per rank.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
-
-import torch.distributed as torch_dist
 
 from safe_zero.errors import UnevenInputsError
 
@@ -40,13 +39,6 @@ USE_JOIN = ("Train inside `with torch.distributed.algorithms.Join([engine]):` (A
             "accelerator.join_uneven_inputs([model], even_batches=False):`) so that a rank that runs out of batches "
             "shadows the others' steps with a zero gradient, and save after the Join block; or give every rank the "
             "same number of batches.")
-
-
-def default_store() -> Any | None:
-    """The default process group's store, or ``None`` where there is none (no process group, or a torch without
-    ``_get_default_store``)."""
-    store_of = getattr(torch_dist.distributed_c10d, "_get_default_store", None)
-    return store_of() if store_of is not None and torch_dist.is_initialized() else None
 
 
 class RankProgress:
@@ -136,4 +128,4 @@ def _by_rank(values: dict[int, int]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in values.items())
 
 
-__all__ = ["RankProgress", "UnevenInputsError", "default_store"]
+__all__ = ["RankProgress", "UnevenInputsError"]

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any, ContextManager
 
 from safe_zero._compat import DEEPSPEED_VERSION
 from safe_zero.fix import FIXES, Fix
 from safe_zero.options import SafeZeroOptions
 from safe_zero.patching import overrides, swapped
+from safe_zero.ranks import ProcessGroupRanks, Ranks
+
+if TYPE_CHECKING:  # the parts' types live in the modules above this one, which alone read and write them
+    from safe_zero.checkpoint_layout import FlatOrder
+    from safe_zero.fixes.gradless.adapter import Gradless
+    from safe_zero.fixes.gradless.order import ModuleOrder
+    from safe_zero.fixes.zero3_zero_element_params import ZeroElements
+    from safe_zero.uneven_inputs import UnevenInputs
 
 
 @dataclass
@@ -27,11 +35,14 @@ class Session:
         report: fix name -> what it did in this run, each kind of event once, in the order first seen
             (only fixes that acted appear). Hooks that act every step add nothing after the first time.
         counts: fix name -> event -> how many times it happened (the repeats ``report`` leaves out).
+        ranks: the collectives and the store, one per engine (``safe_zero.ranks``): it names the engine in the store
+            for every protocol that meets there. The replays give their own.
     """
 
     options: SafeZeroOptions = field(default_factory=SafeZeroOptions)
     report: dict[str, list[str]] = field(default_factory=dict)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    ranks: Ranks = field(default_factory=ProcessGroupRanks, repr=False)
     _uses: dict[str, bool] = field(default_factory=dict, repr=False)
 
     def uses(self, fix: Fix) -> bool:
@@ -80,31 +91,29 @@ def made_current(session: Session) -> ContextManager[Any]:
 
 
 class State:
-    """Everything safe_zero keeps on one DeepSpeed object it extends, as ``obj._safe_zero``: the session it was built
-    under, and one part per fix that keeps state there. Each part's type lives in the fix's module, which alone reads
-    and writes it (this module sits below the fixes, so the parts are not typed here); ``None`` where that fix keeps
-    nothing on this object."""
+    """Everything safe_zero keeps on one DeepSpeed object it extends, as ``obj._safe_zero`` (made by :func:`state_of`):
+    the session it was built under, and one part per fix that keeps state there, which that fix's module alone reads
+    and writes; ``None`` where that fix keeps nothing on this object."""
 
     __slots__ = ("session", "module_order", "gradless", "flat_order", "grouped_mm", "zero_element", "coalesced_gather",
                  "uneven")
 
     def __init__(self, session: Session) -> None:
         self.session = session
-        #: ``fixes.gradless.module_order.ModuleOrder``: the ZeRO-3 coordinator's module-order protocol.
-        self.module_order: Any = None
-        #: ``fixes.gradless.adapter.Gradless``: a ZeRO-1/2/3 optimizer's planner, with what its hooks hand over to.
-        self.gradless: Any = None
-        #: ``checkpoint_layout.FlatOrder``: a flattening optimizer's flat order, which checkpoints record.
-        self.flat_order: Any = None
+        #: The ZeRO-3 coordinator's module-order protocol.
+        self.module_order: ModuleOrder | None = None
+        #: A ZeRO-1/2/3 optimizer's planner, with what its hooks hand over to.
+        self.gradless: Gradless | None = None
+        #: A flattening optimizer's flat order, which checkpoints record.
+        self.flat_order: FlatOrder | None = None
         #: ``fixes.grouped_mm_alignment``: the ZeRO-3 coordinator's guarded weights, ``{module id: weights}``.
-        self.grouped_mm: Any = None
-        #: ``fixes.zero3_zero_element_params.ZeroElements``: the coordinator's per-module zero-element parameters, or
-        #: how ``safe_zero.Init`` adopts parameters.
-        self.zero_element: Any = None
+        self.grouped_mm: dict[int, tuple[Any, ...]] | None = None
+        #: The coordinator's per-module zero-element parameters, or how ``safe_zero.Init`` adopts parameters.
+        self.zero_element: ZeroElements | None = None
         #: ``fixes.coalesced_gather_wait``: whether ``safe_zero.Init`` reported its one-at-a-time gathers.
         self.coalesced_gather = False
-        #: ``uneven_inputs.UnevenInputs``: the engine's, for ranks that run out of batches inside ``Join``.
-        self.uneven: Any = None
+        #: The engine's, for ranks that run out of batches inside ``Join``.
+        self.uneven: UnevenInputs | None = None
 
 
 class CapturesSession:
@@ -120,14 +129,14 @@ class CapturesSession:
         super().__init__(*args, **kwargs)
 
 
-def state_of(wrapper: Any) -> State:
-    """``wrapper``'s :class:`State`, made on first use with the current session.
+def state_of(wrapper: Any, session: Session | None = None) -> State:
+    """``wrapper``'s :class:`State`, made on first use with ``session`` (by default the current one).
 
     A wrapper built outside ``safe_zero.initialize`` (directly, in tests) gets default options.
     """
-    state = getattr(wrapper, "_safe_zero", None)
+    state: State | None = getattr(wrapper, "_safe_zero", None)
     if state is None:
-        state = State(_current or Session())
+        state = State(session or _current or Session())
         object.__setattr__(wrapper, "_safe_zero", state)
     return state
 

@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import itertools
-from collections import defaultdict
 from typing import Any, Iterator
 
 import torch
@@ -39,8 +36,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from safe_zero.patching import calls, overrides
-from safe_zero.rank_progress import RankProgress, UnevenInputsError, default_store
-from safe_zero.session import Session, State
+from safe_zero.rank_progress import RankProgress, UnevenInputsError
+from safe_zero.ranks import default_store
+from safe_zero.session import Session, State, state_of
 
 
 class UnevenInputs:
@@ -191,24 +189,17 @@ def _meeting(engine: Any, where: str) -> Iterator[None]:
         uneven.meeting = False
 
 
-#: Engines built per data-parallel group (its ranks): the same count on each of its ranks, so it names an engine in
-#: the store even where a process builds engines on other groups too.
-_BUILT: defaultdict[tuple[int, ...], itertools.count] = defaultdict(itertools.count)
-
-
-def _progress_of(engine: Any) -> RankProgress | None:
-    """The engine's :class:`RankProgress` on the default store, keyed by its data-parallel group; ``None`` with one
-    rank or no store."""
+def _progress_of(engine: Any, session: Session) -> RankProgress | None:
+    """The engine's :class:`RankProgress` on the default store, under the engine's keys (``session.ranks``); ``None``
+    with one rank or no store."""
     store = default_store()
     if store is None:
         return None
     group = engine.data_parallel_group or torch_dist.group.WORLD
     if torch_dist.get_world_size(group) < 2:
         return None
-    ranks = tuple(torch_dist.get_process_group_ranks(group))
-    digest = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
-    prefix = f"safe_zero/progress/{digest}/{next(_BUILT[ranks])}"
-    return RankProgress(store, torch_dist.get_rank(group), len(ranks), prefix,
+    prefix = f"{session.ranks.prefix(group)}/progress"
+    return RankProgress(store, torch_dist.get_rank(group), torch_dist.get_world_size(group), prefix,
                         slots=engine.gradient_accumulation_steps() + 2,
                         timeout=_timeout_of(group, torch.device(engine.device)))
 
@@ -233,10 +224,8 @@ def make_joinable(engine: Any, session: Session) -> None:
     if type(engine) is DeepSpeedEngine:
         engine.__class__ = joinable_class(DeepSpeedEngine)
         engine._join_config = _JoinConfig.construct_disabled_join_config()
-        state = State(session)
-        state.uneven = UnevenInputs()
-        state.uneven.progress = _progress_of(engine)
-        object.__setattr__(engine, "_safe_zero", state)
+        uneven = state_of(engine, session).uneven = UnevenInputs()
+        uneven.progress = _progress_of(engine, session)
 
 
 #: Checked at import like the other safe classes (``wrappers.OVERRIDING``).

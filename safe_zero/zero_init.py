@@ -30,7 +30,7 @@ from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.zero3_zero_element_params import FIX, SafeCUDAQuantizer, ZeroElements, adopt, is_zero_element
 from safe_zero.options import SafeZeroOptions, resolve_config
 from safe_zero.patching import overrides, swapped
-from safe_zero.session import Session, State, current_session, made_current, state_of
+from safe_zero.session import Session, current_session, made_current, state_of
 
 STOCK_INIT = partition_parameters.Init
 _STOCK_SIGNATURE = inspect.signature(STOCK_INIT.__init__)
@@ -52,11 +52,9 @@ class Init(WaitEveryCoalescedGather, STOCK_INIT):
         if session is None:
             config = arguments.get("config_dict_or_path") or arguments.get("config")
             session = Session(options=SafeZeroOptions.from_config(resolve_config({"config": config})))
-        state = State(session)
         # A model given whole is adopted after partitioning, only if it has zero-element parameters (as
         # the ZeRO-3 engine does); under the context manager they are not known yet, module by module.
-        state.zero_element = ZeroElements(adopt_each=arguments.get("module") is None)
-        object.__setattr__(self, "_safe_zero", state)
+        state_of(self, session).zero_element = ZeroElements(adopt_each=arguments.get("module") is None)
         # The quantizer is built in the stock constructor, from the module global; bind the guarded
         # one (and this session, which it captures) just for that call.
         with made_current(session), swapped(partition_parameters, "CUDAQuantizer", SafeCUDAQuantizer):

@@ -13,15 +13,16 @@ gradient. How, and why it holds: ``docs/rank_agreement.md``. The code lives in :
 from __future__ import annotations
 
 from safe_zero.fixes.gradless import FIX
-from safe_zero.fixes.gradless.collectives import zero_grads_for
+from safe_zero.fixes.gradless.gradients import zero_grads_for
 from safe_zero.fixes.gradless.module_order import (AgreesBeforeReadingAParameter, AgreesOnModulesWhileRecording,
-                                                   KeepsOptionalModulesGathered, ModuleClock, SafeZeROOrderedDict,
+                                                   KeepsOptionalModulesGathered, SafeZeROOrderedDict,
                                                    blocks_to_gather_whole, make_leaves)
-from safe_zero.fixes.gradless.planner import AT_EPILOGUE, Mode, Phase, Planner, ReductionOrder
+from safe_zero.fixes.gradless.order import ModuleClock, ModuleOrder, TracePhase
+from safe_zero.fixes.gradless.planner import AT_EPILOGUE, Mode, Planner, ReductionOrder, WalkPhase
 from safe_zero.fixes.gradless.stage3 import ReduceInOneOrderStage3
 from safe_zero.fixes.gradless.stage12 import ReduceInOneOrderStage12
 
 __all__ = ["AT_EPILOGUE", "FIX", "AgreesBeforeReadingAParameter", "AgreesOnModulesWhileRecording",
-           "KeepsOptionalModulesGathered", "Mode", "ModuleClock", "Phase", "Planner", "ReduceInOneOrderStage12",
-           "ReduceInOneOrderStage3", "ReductionOrder", "SafeZeROOrderedDict", "blocks_to_gather_whole", "make_leaves",
-           "zero_grads_for"]
+           "KeepsOptionalModulesGathered", "Mode", "ModuleClock", "ModuleOrder", "Planner", "ReduceInOneOrderStage12",
+           "ReduceInOneOrderStage3", "ReductionOrder", "SafeZeROOrderedDict", "TracePhase", "WalkPhase",
+           "blocks_to_gather_whole", "make_leaves", "zero_grads_for"]

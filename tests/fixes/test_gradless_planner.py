@@ -4,8 +4,9 @@ The first backward's hooks must fire in one relative order on the ranks that rea
 DeepSpeed needs that too; what they reach may differ): the agreement hands those over as they fire. From the second
 backward on, any order: the ranks walk one order merged from every rank's first one.
 
-Each rank runs in a thread with a fake :class:`Backend` whose collectives meet the other ranks' (a rank left in a
-collective the others never make fails the replay, as a hang would). A rank is the stage mixin itself
+Each rank runs in a thread with a fake :class:`~safe_zero.fixes.gradless.planner.Optimizer` whose collectives are
+``safe_zero.ranks.ReplayWorld``'s: they meet the other ranks' (a rank left in a collective the others never make
+fails the replay, as a hang would). A rank is the stage mixin itself
 (``ReduceInOneOrderStage12``, ``ReduceInOneOrderStage3``) over :class:`DeepSpeedSide`, a stand-in for DeepSpeed's
 optimizer whose hook body records what it is handed: the replays call the mixins' own hooks, their in-order fast path
 included, with ``torch._C._current_graph_task_id`` answering the rank's autograd task. ``fast=False`` replays the
@@ -40,56 +41,15 @@ from safe_zero.fixes.gradless import planner as planning
 from safe_zero.fixes.gradless import stage3 as stage3_module
 from safe_zero.fixes.gradless import stage12 as stage12_module
 from safe_zero.fixes.gradless.adapter import WHY, Gradless
-from safe_zero.fixes.gradless.module_order import ModuleClock
-from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Mode, Phase, Planner
+from safe_zero.fixes.gradless.order import ModuleClock
+from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Mode, Planner, WalkPhase
+from safe_zero.ranks import Hang, ReplayRanks, ReplayWorld
 from safe_zero.fixes.gradless.stage3 import ReduceInOneOrderStage3
 from safe_zero.fixes.gradless.stage12 import ReduceInOneOrderStage12
 
 #: The modules a forward enters before its backward begins (ZeRO-3 scripts).
 FORWARD_MODULES = 3
 OUTER, NESTED = 1, 2
-
-
-class Hang(Exception):
-    """A rank waited for a collective the other ranks did not make."""
-
-
-class World:
-    """The ranks' collectives: the k-th collective of every rank meets the k-th of the others."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.posts: dict[int, dict[int, tuple[str, Any]]] = {}
-        self.changed = threading.Condition()
-
-    def post(self, rank: int, k: int, kind: str, value: Any) -> None:
-        with self.changed:
-            self.posts.setdefault(k, {})[rank] = (kind, value)
-            self.changed.notify_all()
-
-    def complete(self, k: int) -> bool:
-        with self.changed:
-            return len(self.posts.get(k, {})) == self.size
-
-    def values(self, k: int) -> list[Any]:
-        with self.changed:
-            if not self.changed.wait_for(lambda: len(self.posts.get(k, {})) == self.size, timeout=2.0):
-                raise Hang(f"collective #{k}: only ranks {sorted(self.posts.get(k, {}))} made it")
-            kinds = {kind for kind, _ in self.posts[k].values()}
-            if len(kinds) > 1:
-                raise Hang(f"collective #{k} mismatched: {self.posts[k]}")
-            return [self.posts[k][r][1] for r in range(self.size)]
-
-
-class Flight:
-    def __init__(self, world: World, k: int, late: bool) -> None:
-        self.world, self.k, self.late = world, k, late
-
-    def done(self) -> bool:
-        return not self.late and self.world.complete(self.k)
-
-    def result(self) -> list[int]:
-        return [min(column) for column in zip(*self.world.values(self.k))]
 
 
 class Param(str):
@@ -105,15 +65,13 @@ GRADIENT, ZEROS = "its gradient", "zeros"
 
 
 @dataclass
-class Ranks:
-    """One rank's :class:`Backend`: ``reach`` is what its running backward reaches (its hooks' parameters)."""
+class RankOptimizer:
+    """One rank's planner ``Optimizer``: ``reach`` is what its running backward reaches (its hooks' parameters);
+    ``ranks.kinds`` the collectives it made."""
 
-    world: World
-    rank: int
+    ranks: ReplayRanks
     params: list[Param]
-    late: bool = False  # this rank's agreement answer lands only when waited for (hooks queue meanwhile)
     reach: set[str] = field(default_factory=set)
-    collectives: list[str] = field(default_factory=list)
     nested_warnings: int = 0
     asked: int = 0  # how often the planner asked what the running backward reaches
 
@@ -126,18 +84,6 @@ class Ranks:
     def reached(self, params: list[Param]) -> list[bool]:
         self.asked += 1
         return [p in self.reach for p in params]
-
-    def _post(self, kind: str, value: Any) -> int:
-        k = len(self.collectives)
-        self.collectives.append(kind)
-        self.world.post(self.rank, k, f"{kind}/{len(value)}", value)
-        return k
-
-    def all_reduce_min(self, group: Any, flags: list[bool]) -> Flight:
-        return Flight(self.world, self._post("all_reduce", [int(f) for f in flags]), self.late)
-
-    def all_gather(self, group: Any, row: list[int]) -> list[list[int]]:
-        return self.world.values(self._post("all_gather", row))
 
     def nested_backward(self) -> None:
         self.nested_warnings += 1
@@ -152,7 +98,7 @@ class Replay:
     events: list[tuple] = field(default_factory=list)
     reasons: list[dict[str, int]] = field(default_factory=list)
     error: BaseException | None = None
-    backend: Ranks | None = None
+    backend: RankOptimizer | None = None
     planner: Planner | None = None
     clock: ModuleClock | None = None
     #: The mixin whose hooks this rank runs (``None``: the bare planner's, ``fast=False``).
@@ -244,24 +190,45 @@ def _tasks_per_thread(mixin: type) -> Iterator[None]:
             names["_current_graph_task_id"] = stock
 
 
+class BareFollower:
+    """A bare planner (``fast=False``) as the clock's follower: its boundaries handed over as the mixins' would be."""
+
+    def __init__(self, replay: Replay) -> None:
+        self.replay = replay
+
+    @property
+    def wake_at(self) -> int:
+        return self.replay.planner.wake_at
+
+    @property
+    def wake_task(self) -> int:
+        return self.replay.planner.wake_task
+
+    def at_module(self, position: int, task: int) -> None:
+        _hand(self.replay, self.replay.planner.boundary(position, task), self.replay.clock)
+
+    def left_order(self) -> None:
+        self.replay.planner.left_order()
+
+
 def _run_rank(replay: Replay, steps: list[list[str]]) -> None:
     backend, planner, clock, optimizer = replay.backend, replay.planner, replay.clock, replay.optimizer
     named = {p: p for p in backend.params}  # the planner knows a parameter by identity, as torch's by id()
     if clock is not None and optimizer is None:
-        clock.follow(planner, lambda position, task: _hand(replay, planner.boundary(position, task), clock))
+        clock.follow(BareFollower(replay))
     for events in steps:
         _begin_backward(replay, events)
         task = _TASK.id = OUTER
         for event in events:
             if event == "m":
-                position = clock.enter(task)
+                position = clock.tick(task)
                 replay.handed.append(("gather", position))
                 replay.events.append(("gather", position))
             elif event == "nested":
                 task = _TASK.id = NESTED
             elif event == "leave":
-                clock.left_order()
-                replay.left = True
+                planner.left_order()
+                replay.left, clock.followed = True, False
             else:
                 _hook(replay, named[event.lstrip("~+")], event[0], task)
         if optimizer is None:
@@ -285,9 +252,9 @@ def _begin_backward(replay: Replay, events: list[str]) -> None:
     for param in backend.params:
         param.grad = None
     if clock is not None:
-        clock.restart()
+        clock.position, clock.followed = 0, True
         for _ in range(FORWARD_MODULES):
-            clock.enter(-1)
+            clock.tick(-1)
     if optimizer is None:
         replay.planner.begin_backward()
     else:
@@ -320,17 +287,16 @@ def replay(scripts: list[list[list[str]]], params: list[str], zero3: bool = Fals
     """Run ``scripts[rank][step]`` on one rank per script, in threads, the fix in ``Mode.AGREED``; every rank's
     :class:`Replay`. ``fast``: through the stage mixin's hooks (which take the in-order fast path where the planner
     offers it); else on the bare planner."""
-    world = World(len(scripts))
+    world = ReplayWorld(len(scripts))
     mixin = ReduceInOneOrderStage3 if zero3 else ReduceInOneOrderStage12
     replays = []
     for rank in range(len(scripts)):
         r = Replay()
-        r.backend = Ranks(world, rank, [Param(p) for p in params], late=rank in late)
-        r.clock = ModuleClock(lambda r=r: not r.left) if zero3 else None
+        r.backend = RankOptimizer(world.rank(rank, late=rank in late), [Param(p) for p in params])
+        r.clock = ModuleClock() if zero3 else None
         if fast:
             r.optimizer = _replayed(mixin)(r, r.backend.params)
-            r.planner = Gradless(Mode.AGREED, r.backend, queues=not zero3, stock_hook=r.optimizer._stock_hook(),
-                                 clock=r.clock)
+            r.planner = Gradless(Mode.AGREED, r.backend, queues=not zero3, optimizer=r.optimizer, clock=r.clock)
             r.optimizer._plan(r.planner)
         else:
             r.planner = Planner(Mode.AGREED, r.backend, clocked=zero3, queues=not zero3)
@@ -412,7 +378,7 @@ def test_zero12_hooks_in_other_orders_on_each_rank_and_each_step(late):
     replays = replay(scripts, P4, late=late)
     check(replays, scripts)
     assert sequence(replays[0], 1) == ["d", "c", "b", "a"], "from the second backward on: rank 0's first hook order"
-    assert [r.backend.collectives for r in replays] == [["all_reduce", "all_gather"]] * 2, "nothing after the first"
+    assert [r.backend.ranks.kinds for r in replays] == [["all_reduce", "all_gather"]] * 2, "nothing after the first"
 
 
 def test_zero12_a_model_every_rank_uses_in_one_order_is_handed_over_as_each_hook_fires():
@@ -447,7 +413,7 @@ def test_zero12_reentrant_checkpointing_from_the_first_step_agrees_every_backwar
     check(replays, scripts)
     for r in replays:
         assert r.planner.nested and r.planner.order is None and r.backend.nested_warnings >= 1
-        assert r.backend.collectives == ["all_reduce"] * 3, "one agreement per backward, no order"
+        assert r.backend.ranks.kinds == ["all_reduce"] * 3, "one agreement per backward, no order"
         assert sequence(r, 2) == ["d", "c", "a", "b"], "the nested backward's parameters wait for the epilogue"
 
 
@@ -460,9 +426,9 @@ def test_zero12_reentrant_checkpointing_begun_late_stops_every_rank():
 
 def test_strict_mode_hands_each_hook_over_at_once_and_names_what_did_not_fire():
     scripts = [[["d", "c", "b", "a"]], [["a", "c"]]]
-    world = World(2)
+    world = ReplayWorld(2)
     for rank, events in enumerate(scripts[0] + scripts[1]):
-        planner = Planner(Mode.STRICT, Ranks(world, rank, P4))
+        planner = Planner(Mode.STRICT, RankOptimizer(world.rank(rank), P4))
         planner.begin_backward()
         assert [h for e in events for h in planner.hook(e, (), OUTER)] == [(e, (), FIRED) for e in events]
         assert planner.unfired(P4) == [p for p in P4 if p not in events]
@@ -524,7 +490,7 @@ def test_zero12_what_only_one_rank_reached_in_the_agreeing_backward_keeps_its_pl
     assert calls[id(replays[0].planner)] == ["f", "e", "d", "c", "f", "f"]
     assert calls[id(replays[1].planner)] == ["b", "a", "f", "e", "d", "c", "b", "b"]
     for r in replays:
-        assert r.backend.collectives == ["all_reduce", "all_gather"], "nothing after the first backward"
+        assert r.backend.ranks.kinds == ["all_reduce", "all_gather"], "nothing after the first backward"
 
 
 def test_zero12_the_fast_path_runs_past_parameters_a_rank_fires_ahead_of_the_order(monkeypatch):
@@ -660,7 +626,7 @@ def test_zero3_hooks_in_other_orders_inside_each_module():
                [["m", "f", "e", "m", "d", "c", "m", "b", "a"], ["m", "f", "e", "m", "c", "d", "m", "b", "a"]] * 2]
     replays = replay(scripts, P6, zero3=True)
     check(replays, scripts)
-    assert [r.backend.collectives for r in replays] == [["all_reduce", "all_gather"]] * 2
+    assert [r.backend.ranks.kinds for r in replays] == [["all_reduce", "all_gather"]] * 2
 
 
 def test_zero3_a_parameter_a_module_uses_on_some_ranks_only_goes_as_zeros_before_the_next_gather():
@@ -739,9 +705,9 @@ def test_zero3_every_rank_leaving_the_module_order_holds_the_rest_and_agrees_aga
         assert sequence(r, 1) == ["f", "e", "d", "c", "b", "a"]
         assert r.handed[r.handed.index(("epilogue",)) + 1:][:6] == [
             ("gather", 3), ("reduce", "f", 4), ("reduce", "e", 4), ("gather", 4), ("gather", 5), ("reduce", "d", 6)]
-        assert r.backend.collectives == ["all_reduce", "all_gather", "all_reduce", "all_gather"], \
+        assert r.backend.ranks.kinds == ["all_reduce", "all_gather", "all_reduce", "all_gather"], \
             "the step after leaving agrees again (the trace is recorded again)"
-        assert r.planner.phase is Phase.ORDERED
+        assert r.planner.phase is WalkPhase.ORDERED
 
 
 def test_zero3_reentrant_checkpointing_begun_late_stops_every_rank():
@@ -841,7 +807,7 @@ def _mutate(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType, *edits: t
     mutant = types.ModuleType(f"mutated_{module.__name__.rsplit('.', 1)[-1]}")
     exec(compile(source, f"{mutant.__name__}.py", "exec"), mutant.__dict__)
     if module is planning:
-        mutant.Mode, mutant.Phase = Mode, Phase  # the enums the mixins and the replays compare with
+        mutant.Mode, mutant.WalkPhase = Mode, WalkPhase  # the enums the mixins and the replays compare with
     for name in ("Planner", "Gradless", "ReduceInOneOrderStage12", "ReduceInOneOrderStage3"):
         if name in vars(mutant):
             monkeypatch.setitem(globals(), name, getattr(mutant, name))

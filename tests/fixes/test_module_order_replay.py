@@ -6,8 +6,8 @@ of a module's parameters, persistent parameters released only while it records),
 parameters carry ZeRO-3's ``ds_*`` attributes and whose parameter dictionaries are DeepSpeed's ``ZeROOrderedDict``
 (so a read goes through DeepSpeed's access, and in recording forwards through safe_zero's). Every gather of
 parameters meets the other ranks' gathers, and every collective and store wait of the protocol goes through the
-coordinator's ``Ranks`` to the same :class:`World`: a rank left in a collective the others never make, or gathering
-other parameters than theirs, fails the replay (gloo aborts there; NCCL hangs or computes wrong).
+session's ``Ranks``, each rank's of one ``safe_zero.ranks.ReplayWorld``: a rank left in a collective the others never
+make, or gathering other parameters than theirs, fails the replay (gloo aborts there; NCCL hangs or computes wrong).
 
 A forward is a list of events per rank: ``"name"`` (the module's forward runs, with its own parameters),
 ``("name", [...])`` (the events inside it), ``("read", "owner", "weight")`` (the running module reads a parameter of
@@ -31,58 +31,13 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from torch import nn
 
 from safe_zero.errors import RankDivergenceError
-from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording, ModuleClock, Phase
+from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording
+from safe_zero.fixes.gradless.order import ModuleClock, TracePhase
 from safe_zero.options import SafeZeroOptions
-from safe_zero.session import Session, State
-from tests.fixes.test_gradless_planner import Hang, World
+from safe_zero.ranks import Hang, ReplayRanks, ReplayWorld
+from safe_zero.session import Session, state_of
 
 AVAILABLE, NOT_AVAILABLE = ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE
-
-
-class Collectives:
-    """One rank's collectives on the :class:`World`, in its order; ``count`` per kind."""
-
-    def __init__(self, world: World, rank: int) -> None:
-        self.world, self.rank, self.k = world, rank, 0
-        self.count: dict[str, int] = {}
-
-    def make(self, kind: str, value: Any) -> list[Any]:
-        k, self.k = self.k, self.k + 1
-        self.count[kind] = self.count.get(kind, 0) + 1
-        self.world.post(self.rank, k, kind, value)
-        values = self.world.values(k)
-        if kind == "gather" and any(v != values[0] for v in values):
-            raise Hang(f"collective #{k}: the ranks gathered different parameters {values}")
-        return values
-
-
-@dataclass
-class Store:
-    """The process group's store: keys the ranks post and wait for, without a collective."""
-
-    posts: dict[str, dict[int, int]] = field(default_factory=dict)
-    changed: threading.Condition = field(default_factory=threading.Condition)
-
-
-class WorldRanks:
-    """The protocol's ``Ranks`` on the :class:`World` and the :class:`Store`."""
-
-    def __init__(self, collectives: Collectives, store: Store, size: int) -> None:
-        self.collectives, self.store, self.size = collectives, store, size
-
-    def world_size(self, group: Any) -> int:
-        return self.size
-
-    def all_gather(self, group: Any, row: list[int], bits: int = 64) -> list[list[int]]:
-        return self.collectives.make(f"protocol/{len(row)}", row)
-
-    def meet(self, key: str, value: int, timeout: float) -> list[int] | None:
-        with self.store.changed:
-            self.store.posts.setdefault(key, {})[self.collectives.rank] = value
-            self.store.changed.notify_all()
-            if not self.store.changed.wait_for(lambda: len(self.store.posts[key]) == self.size, timeout):
-                return None
-            return [self.store.posts[key][r] for r in range(self.size)]
 
 
 class StockCoordinator:
@@ -92,7 +47,7 @@ class StockCoordinator:
 
     def __init__(self) -> None:
         self.mode, self.trace, self.order, self.step_id = "invalid", [], [], 0
-        self.collectives: Collectives | None = None  # set by the replay
+        self.collectives: ReplayRanks | None = None  # set by the replay
 
     def is_record_trace(self) -> bool:
         return self.mode == "record"
@@ -105,7 +60,7 @@ class StockCoordinator:
 
     def reset_step(self) -> None:
         if self.mode != "complete":
-            traces = self.collectives.make(f"trace/{len(self.trace)}", [m.ds_id for m in self.trace])
+            traces = self.collectives.collective("trace", [m.ds_id for m in self.trace])
             if any(t != traces[0] for t in traces):
                 raise RuntimeError("Detected a disagreement on list contents")
             self.order, self.mode = (list(self.trace), "complete") if self.mode == "record" else ([], "record")
@@ -145,7 +100,7 @@ class Replayed(AgreesOnModulesWhileRecording, StockCoordinator):
     """safe_zero's coordinator mixin on the stand-in."""
 
 
-def _zero3(model: nn.Module, collectives: Collectives, persistent: bool) -> None:
+def _zero3(model: nn.Module, collectives: ReplayRanks, persistent: bool) -> None:
     """Give ``model`` what ZeRO-3's ``Init`` and hooks give a model: ``ds_*`` on modules and parameters (each
     parameter partitioned, or persistent and gathered), DeepSpeed's parameter dictionaries, external parameters."""
     for ds_id, module in enumerate(model.modules()):
@@ -159,7 +114,7 @@ def _zero3(model: nn.Module, collectives: Collectives, persistent: bool) -> None
 
         def all_gather(param_list: list[nn.Parameter] | None = None, param: nn.Parameter = param) -> None:
             params = param_list or [param]
-            collectives.make("gather", sorted(p.ds_id for p in params))
+            collectives.collective("gather", sorted(p.ds_id for p in params), alike=True)
             for p in params:
                 p.ds_status = AVAILABLE
 
@@ -187,11 +142,14 @@ class ThreadStack(threading.local):
 
 
 class Follower:
-    """A planner following the module clock (``ModuleClock.follow``): where a backward's entry may hand over."""
+    """A planner following the module clock (``order.Follower``): where a backward's entry may hand over."""
 
     def __init__(self, wake_at: int = 7) -> None:
         self.wake_at, self.wake_task = wake_at, -2
         self.boundaries: list[tuple[int, int]] = []
+
+    def at_module(self, position: int, task: int) -> None:
+        self.boundaries.append((position, task))
 
     def left_order(self) -> None:
         pass
@@ -218,7 +176,7 @@ class Rank:
     rank: int
     coordinator: Replayed
     model: nn.Module
-    collectives: Collectives
+    collectives: ReplayRanks
     follower: Follower
     error: BaseException | None = None
     uses: list[tuple[nn.Module, nn.Parameter]] = field(default_factory=list)
@@ -290,23 +248,20 @@ class Rank:
 
 def replay(build: Any, forwards: list[list[list[Any]]], persistent: bool = False, **options: Any) -> list[Rank]:
     """``forwards[rank][step]`` on one ``Replayed`` coordinator per rank over ``build()``, each rank in a thread."""
-    world, store = World(len(forwards)), Store()
+    world = ReplayWorld(len(forwards))
     ranks = []
     for rank in range(len(forwards)):
+        collectives = world.rank(rank)
         coordinator = Replayed.__new__(Replayed)
-        object.__setattr__(coordinator, "_safe_zero", State(Session(options=SafeZeroOptions(**options))))
+        state_of(coordinator, Session(options=SafeZeroOptions(**options), ranks=collectives))
         coordinator.__init__()
-        collectives = Collectives(world, rank)
         coordinator.collectives = collectives
         order = coordinator._safe_zero.module_order
-        order.ranks = WorldRanks(collectives, store, len(forwards))
-        order.engine_id = 0  # each rank's process counts the coordinators it built: the same on every rank
         model = build()
         _zero3(model, collectives, persistent)
-        coordinator.know_model(model, [], coordinator._safe_zero.session.options.find_optional_modules)
+        order.know_model(model, [], order.session.options.find_optional_modules)
         follower = Follower()
-        coordinator.module_clock.follow(follower, lambda position, task, f=follower: f.boundaries.append(
-            (position, task)))
+        order.clock.follow(follower)
         ranks.append(Rank(rank, coordinator, model, collectives, follower))
 
     def run(r: Rank) -> None:
@@ -385,7 +340,7 @@ def test_ranks_that_skip_a_tower_train_on_with_it_kept_gathered(shape, persisten
     check(ranks)
     for r in ranks:
         assert kept(r) == ({"tower", "patch"} if shape == "tower-reads" else {"tower"}), kept(r)
-        assert r.coordinator._safe_zero.module_order.phase is Phase.FOLLOWING
+        assert r.coordinator._safe_zero.module_order.phase is TracePhase.FOLLOWING
         # the third step follows the recorded order: no collective of the protocol, the trace complete
         assert r.coordinator.is_complete_trace()
 
@@ -396,7 +351,7 @@ def test_ranks_that_agree_make_one_agreement_per_module_in_the_first_forward_onl
     check(ranks)
     for r in ranks:
         # inp, mix, mix.out, head (the modules with parameters of their own) and the read of mix.conv.weight
-        assert r.collectives.count["protocol/1"] == 5
+        assert r.collectives.count["all_gather/1"] == 5
         assert kept(r) == set()
 
 
@@ -442,22 +397,22 @@ def test_ranks_that_leave_the_recorded_order_alike_record_it_again():
         assert r.coordinator.is_complete_trace() and kept(r) == set()
 
 
-def test_the_module_clock_inlined_in_the_fetch_moves_as_module_clock_enter():
-    """``fetch_sub_module`` inlines ``ModuleClock.enter`` (it runs per module entry): at each module entry of a
-    backward the follower is told where it may hand over exactly as ``enter`` tells it."""
+def test_the_module_clock_inlined_in_the_fetch_moves_as_module_clock_tick():
+    """``fetch_sub_module`` inlines ``ModuleClock.tick`` (it runs per module entry): at each module entry of a
+    backward the follower is told where it may hand over exactly as ``tick`` tells it."""
     text = ["inp", *MIX, "head"]
     ranks = replay(Tower, forwards(text, text, 1, steps=2))
     check(ranks)
     r = ranks[0]
-    reference, follower = ModuleClock(lambda: True), Follower()
-    reference.follow(follower, lambda position, task: follower.boundaries.append((position, task)))
+    reference, follower = ModuleClock(), Follower()
+    reference.follow(follower)
     for task in r.tasks:
-        reference.restart()
+        reference.position = 0
         for _ in r.ran:  # the forward's entries, then the backward's
-            reference.enter(-1)
+            reference.tick(-1)
         follower.wake_task = task
         for _ in r.ran:
-            reference.enter(task)
+            reference.tick(task)
     assert r.follower.boundaries and r.follower.boundaries == follower.boundaries
 
 

@@ -10,13 +10,13 @@ from torch._C import _current_graph_task_id
 
 from safe_zero.errors import UnusedParameterError
 from safe_zero.fixes.gradless import FIX
-from safe_zero.fixes.gradless.collectives import DataParallelRanks
-from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Backend, Handover, Mode, Planner
+from safe_zero.fixes.gradless.gradients import OptimizerView
+from safe_zero.fixes.gradless.planner import FIRED, HELD, UNUSED, Handover, Mode, Optimizer, Planner
 from safe_zero.patching import overrides
 from safe_zero.session import State, session_for, state_of
 
 if TYPE_CHECKING:
-    from safe_zero.fixes.gradless.module_order import ModuleClock
+    from safe_zero.fixes.gradless.order import ModuleClock
 
 WHY_NOT_USED = "was not used on this rank"
 #: What a zero gradient stands for, indexed by why the planner hands the parameter over (the report's wording).
@@ -25,17 +25,20 @@ WHY = {FIRED: "had no gradient", UNUSED: WHY_NOT_USED, HELD: WHY_NOT_USED}
 
 class Gradless(Planner):
     """The fix's part of a ZeRO optimizer's :class:`~safe_zero.session.State` (``optimizer._safe_zero.gradless``;
-    ``None`` where the fix is off): its planner, and beside it what its hooks hand over to.
+    ``None`` where the fix is off): its planner, and beside it what its hooks hand over to. On ZeRO-3 it follows the
+    coordinator's module clock (``order.Follower``).
 
     A planner itself rather than a holder of one: the hooks run per parameter per step, and from the planner they
     reach the hook body and the clock in one attribute each (one hop more per hook than attributes of the optimizer).
     """
 
-    def __init__(self, mode: Mode, backend: Backend, *, queues: bool, stock_hook: Callable[..., None],
+    def __init__(self, mode: Mode, backend: Optimizer, *, queues: bool, optimizer: PlannerAdapter,
                  clock: ModuleClock | None = None) -> None:
         super().__init__(mode, backend, clocked=clock is not None, queues=queues)
-        #: DeepSpeed's hook body (``PlannerAdapter._stock_hook``), bound once: no ``super()`` per hook.
-        self.stock_hook = stock_hook
+        #: The optimizer whose hooks this planner routes, and DeepSpeed's hook body, bound once: no ``super()`` per
+        #: hook.
+        self.optimizer = optimizer
+        self.stock_hook = optimizer._stock_hook()
         #: ZeRO-3: the module clock of safe_zero's coordinator, which the walk follows (``None``: ZeRO-1/2, or a
         #: stock coordinator, and then no walk on a clock).
         self.clock = clock
@@ -43,6 +46,12 @@ class Gradless(Planner):
         self.held_reported = False
         #: ``id()`` of each parameter whose zero gradient the session was told of (once per parameter).
         self.zeroed: set[int] = set()
+
+    def at_module(self, position: int, task: int) -> None:
+        """The clock's follower: the backward enters a module where this planner may hand over (before its gathers)."""
+        optimizer = self.optimizer
+        if not getattr(optimizer, "_coalesce_grad_reduction", False):
+            optimizer._carry_out(self.boundary(position, task))
 
 
 class PlannerAdapter:
@@ -63,17 +72,16 @@ class PlannerAdapter:
             return
         mode = (Mode.PASS_THROUGH if world < 2 else
                 Mode.AGREED if session.options.find_unused_parameters else Mode.STRICT)
-        backend = DataParallelRanks(self._reduced_params_by_group, self._ordered_params_by_group, session,
-                                    hold_accumulators=clock is None)
-        self._plan(Gradless(mode, backend, queues=queues, stock_hook=self._stock_hook(), clock=clock))
+        backend = OptimizerView(self, session, hold_accumulators=clock is None)
+        self._plan(Gradless(mode, backend, queues=queues, optimizer=self, clock=clock))
 
     def _plan(self, planner: Gradless) -> None:
         """Route the hooks through ``planner`` from now on; where it agrees on a clock, its walk follows the clock's
-        module entries (:meth:`_at_module_boundary`). The replays (``tests/fixes/test_gradless_planner.py``) give
-        their own planners here."""
+        module entries (``Gradless.at_module``). The replays (``tests/fixes/test_gradless_planner.py``) give their own
+        planners here."""
         state_of(self).gradless = planner
         if planner.clock is not None and planner.mode is Mode.AGREED:
-            planner.clock.follow(planner, self._at_module_boundary)
+            planner.clock.follow(planner)
 
     # -- what each stage provides --------------------------------------------------------------------------------
 
@@ -99,11 +107,6 @@ class PlannerAdapter:
     def _walkable(self) -> bool:
         """Whether an order agreed at this epilogue can be walked in the next backwards."""
         return True
-
-    def _at_module_boundary(self, clock: int, task: int) -> None:
-        """Called by the module clock where the backward enters a module and the planner may hand over there."""
-        if not getattr(self, "_coalesce_grad_reduction", False):
-            self._carry_out(self._safe_zero.gradless.boundary(clock, task))
 
     # -- the events ------------------------------------------------------------------------------------------------
 

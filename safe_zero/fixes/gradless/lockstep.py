@@ -1,7 +1,7 @@
 """The ranks' module entries while DeepSpeed records its ZeRO-3 module order, kept in lockstep where they diverge,
 and the modules some ranks skipped found from them (docs/rank_agreement.md, "Modules some ranks skip").
 
-Pure logic, no torch: ``module_order.AgreesOnModulesWhileRecording`` feeds it what the ranks announced and carries
+Pure logic, no torch: ``order.ModuleOrder`` feeds it what the ranks announced and carries
 out what it returns, and the tests replay per-rank module sequences through it in one process.
 """
 

@@ -3,10 +3,10 @@
 No torch and no DeepSpeed here. The ZeRO mixins (``stage12``, ``stage3``) feed a :class:`Planner` the events of
 a backward -- a gradient hook fired, the backward entered a module (ZeRO-3), the ranks left the module order, the
 epilogue -- and carry out what it returns: the parameters to hand DeepSpeed now, in that order, each with why
-(:data:`FIRED`, :data:`UNUSED`, :data:`HELD`). Autograd's "will this backward reach it" and the collectives come
-in through a :class:`Backend`, so the replay tests (``tests/fixes/test_gradless_planner.py``) drive several
-planners in one process with recorded per-rank events, through the mixins' own hooks, and check that every rank hands
-over the same sequence.
+(:data:`FIRED`, :data:`UNUSED`, :data:`HELD`). Autograd's "will this backward reach it" and the ranks
+(``safe_zero.ranks.Ranks``) come in through an :class:`Optimizer`, so the replay tests
+(``tests/fixes/test_gradless_planner.py``) drive several planners in one process with recorded per-rank events,
+through the mixins' own hooks, and check that every rank hands over the same sequence.
 
 Every method of a planner is called on every rank for the same events in the same order, except :meth:`hook`,
 whose calls follow each rank's own autograd and need not match across ranks: that is the point.
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import enum
 import heapq
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from safe_zero.errors import RankDivergenceError
+
+if TYPE_CHECKING:
+    from safe_zero.ranks import Ranks
 
 #: The due clock of a parameter no rank's agreeing backward reached: it is handed over at the epilogue.
 AT_EPILOGUE = 2**62
@@ -48,8 +51,8 @@ class Mode(enum.Enum):
     AGREED = "agreed"
 
 
-class Phase(enum.Enum):
-    """Where a :class:`Planner` in ``Mode.AGREED`` stands."""
+class WalkPhase(enum.Enum):
+    """Where a :class:`Planner` in ``Mode.AGREED`` stands in agreeing on and walking a reduction order."""
 
     #: No agreed order: the next reducing backward agrees (the first one, or after the order was dropped).
     UNAGREED = "unagreed"
@@ -63,18 +66,12 @@ class Phase(enum.Enum):
     HOLDING = "holding"
 
 
-class InFlight(Protocol):
-    """An all-reduce (MIN) started by :meth:`Backend.all_reduce_min`."""
+class Optimizer(Protocol):
+    """What a planner needs from the ZeRO optimizer it plans for and from autograd (the mixins':
+    ``gradients.OptimizerView``), and the ranks its agreement and order are made with."""
 
-    def done(self) -> bool:
-        """Whether the result is in (without waiting)."""
-
-    def result(self) -> list[int]:
-        """The reduced flags (waits for them)."""
-
-
-class Backend(Protocol):
-    """What a planner needs from autograd and the process groups; the mixins' is ``collectives.DataParallelRanks``."""
+    #: The collectives (``safe_zero.ranks``).
+    ranks: Ranks
 
     def agreed_groups(self) -> list[tuple[Any, list[Any]]]:
         """Per data-parallel group: the trainable parameters an agreement covers (``(group, params)``)."""
@@ -85,12 +82,6 @@ class Backend(Protocol):
     def reached(self, params: Sequence[Any]) -> list[bool]:
         """Whether the running backward of this rank will reach each parameter's gradient accumulator (a new list,
         which the caller may change)."""
-
-    def all_reduce_min(self, group: Any, flags: list[bool]) -> InFlight:
-        """Start the MIN all-reduce of one flag per parameter over ``group``."""
-
-    def all_gather(self, group: Any, row: list[int]) -> list[list[int]]:
-        """Every rank's ``row`` (the same length on every rank; values fit in 32 bits), in group rank order."""
 
     def nested_backward(self) -> None:
         """A nested backward (reentrant checkpointing) ran inside this one: tell the user, once."""
@@ -130,7 +121,7 @@ class ReductionOrder:
         self._steps: dict[bool, tuple[list[bool] | None, list[Step | None]]] = {}
 
     @classmethod
-    def agree(cls, backend: Backend, arrived: list[Any], args: dict[int, tuple],
+    def agree(cls, backend: Optimizer, arrived: list[Any], args: dict[int, tuple],
               clocks: dict[int, int] | None) -> ReductionOrder:
         """Every rank's hook order of the agreeing backward (this rank's: ``arrived``) and, on ZeRO-3, the module
         clock of each hook (``clocks``), one all-gather per group on every rank, merged into one order
@@ -148,7 +139,7 @@ class ReductionOrder:
                 row[k] = place
             if clocks is not None:  # then per parameter the clock of its first hook here
                 row[n:] = [clocks.get(id(p), -1) for p in params]
-            rows = backend.all_gather(group, row)
+            rows = backend.ranks.all_gather(group, row, bits=32)
             arrivals = [sorted((k for k in range(n) if r[k] >= 0), key=r.__getitem__) for r in rows]
             if clocks is None:
                 merged = merge_orders(arrivals, n, key=lambda k: -k)
@@ -221,13 +212,13 @@ def merge_orders(arrivals: list[list[int]], n: int, key: Callable[[int], Any]) -
 class _Agreement:
     """One backward's agreement on which parameters some rank does not reach: all-reduces in flight, then a set."""
 
-    def __init__(self, task: int, backend: Backend) -> None:
+    def __init__(self, task: int, backend: Optimizer) -> None:
         self.task = task
         self.queued: list[tuple[Any, tuple]] = []  # hooks that fired before the answer landed, in arrival order
         self.arrived: list[Any] = []  # every reducing hook's parameter, in the order they fired
         self.clocks: dict[int, int] = {}  # ZeRO-3: per parameter, the module clock at its first hook
         self.held: set[int] | None = None
-        self._pending = [(params, backend.all_reduce_min(group, backend.reached(params)))
+        self._pending = [(params, backend.ranks.all_reduce_min(group, backend.reached(params)))
                          for group, params in backend.agreed_groups() if params]
 
     def known(self, wait: bool) -> bool:
@@ -259,7 +250,7 @@ class _Agreement:
         return [(p, args, FIRED) for p, args in queued if id(p) not in self.held]
 
 
-def _asked(backend: Backend, sequence: list[Any], k: int) -> list[bool]:
+def _asked(backend: Optimizer, sequence: list[Any], k: int) -> list[bool]:
     """Whether this rank's backward reaches each parameter of an order's ``sequence``, the first ``k`` (handed over
     already) taken as reached. Asked about the whole sequence, the same list in every backward, which the backend
     may key what it keeps on."""
@@ -271,7 +262,7 @@ def _asked(backend: Backend, sequence: list[Any], k: int) -> list[bool]:
 class _Walk:
     """One backward's progress along a ``ReductionOrder``."""
 
-    def __init__(self, order: ReductionOrder, task: int, backend: Backend, clocked: bool) -> None:
+    def __init__(self, order: ReductionOrder, task: int, backend: Optimizer, clocked: bool) -> None:
         self.order = order
         self.task = task
         self.backend = backend
@@ -330,7 +321,7 @@ class _Walk:
 
 
 class Planner:
-    """Agreement, agreed order and walk of one optimizer, with an explicit :class:`Phase`.
+    """Agreement, agreed order and walk of one optimizer, with an explicit :class:`WalkPhase`.
 
     ``clocked``: ZeRO-3, where hooks and module boundaries carry the module clock and the order records it.
     ``queues``: the bucket reductions are a backward's only collectives (ZeRO-1/2), so hooks may queue while
@@ -341,14 +332,14 @@ class Planner:
     autograd task of the walk (-1 outside one); on ZeRO-1/2 the fast path (``step``) is taken in that task only.
     """
 
-    def __init__(self, mode: Mode, backend: Backend, *, clocked: bool = False, queues: bool = False) -> None:
+    def __init__(self, mode: Mode, backend: Optimizer, *, clocked: bool = False, queues: bool = False) -> None:
         self.mode = mode
         #: Whether the hooks go through :meth:`hook` (several ranks), read per hook.
         self.routes = mode is not Mode.PASS_THROUGH
         self.backend = backend
         self.clocked = clocked
         self.queues = queues
-        self.phase = Phase.UNAGREED
+        self.phase = WalkPhase.UNAGREED
         self.order: ReductionOrder | None = None
         #: A backward ran nested autograd tasks (reentrant checkpointing): the outer graph does not show what it
         #: reaches, so every backward agrees from then on.
@@ -375,7 +366,7 @@ class Planner:
         """A new backward (not a nested one): forget what one that never reached its epilogue left."""
         self._agreement = self._walk = self._fired = None
         self.step = NO_STEP
-        self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
+        self._set_phase(WalkPhase.ORDERED if self.order is not None else WalkPhase.UNAGREED)
 
     # Over the complexity limit on purpose: the walk's hand-over is inlined here, the one call per gradient hook
     # (issue 26: at most a couple of safe_zero calls per tensor per step); _Walk.hand_over is ZeRO-3's rule, uninlined.
@@ -393,7 +384,7 @@ class Planner:
                 self._fired.add(id(param))
             return [(param, args, FIRED)]
         phase = self.phase
-        if phase is Phase.UNAGREED or phase is Phase.AGREEING:
+        if phase is WalkPhase.UNAGREED or phase is WalkPhase.AGREEING:
             return self._agreement_of(task).hook(param, args, clock, wait=not self.queues)
         if not final:
             return [(param, args, FIRED)]
@@ -419,7 +410,7 @@ class Planner:
                     self.step = self.steps[at]
                     return []
             walk.next[0], self.step = at, NO_STEP
-        if self.phase is Phase.HOLDING:
+        if self.phase is WalkPhase.HOLDING:
             fired[id(param)] = args
             return []
         # The walk's hand-over (``_Walk.hand_over``), inlined: it runs per parameter per step.
@@ -489,11 +480,11 @@ class Planner:
         first gather), or hand over every parameter due by ``clock``.
 
         Raises ``RankDivergenceError`` where a nested backward begins while an agreed order is walked."""
-        if self.phase is Phase.UNAGREED or self.phase is Phase.AGREEING:
+        if self.phase is WalkPhase.UNAGREED or self.phase is WalkPhase.AGREEING:
             self._agreement_of(task)
             return []
         walk = self._walk_of(task)
-        if self.phase is Phase.HOLDING:
+        if self.phase is WalkPhase.HOLDING:
             return []
         if self.step is not NO_STEP:
             self._caught_up(walk)
@@ -509,9 +500,9 @@ class Planner:
         if self._walk is not None:
             if self.step is not NO_STEP:
                 self._caught_up(self._walk)
-            self._set_phase(Phase.HOLDING)
-        elif self.phase is Phase.ORDERED:
-            self._set_phase(Phase.UNAGREED)
+            self._set_phase(WalkPhase.HOLDING)
+        elif self.phase is WalkPhase.ORDERED:
+            self._set_phase(WalkPhase.UNAGREED)
 
     def unfired(self, expected: Iterable[Any]) -> list[Any]:
         """``Mode.STRICT``, at the epilogue: the ``expected`` parameters whose hook did not fire in this backward
@@ -529,7 +520,7 @@ class Planner:
             handovers = []
             for sequence in range(len(walk.order.sequences)):
                 handovers += walk.hand_over(sequence, finish=True)
-            self._set_phase(Phase.ORDERED if self.order is not None else Phase.UNAGREED)
+            self._set_phase(WalkPhase.ORDERED if self.order is not None else WalkPhase.UNAGREED)
             return handovers
         agreement, self._agreement = self._agreement, None
         if agreement is None:
@@ -539,7 +530,7 @@ class Planner:
         handovers = agreement.drain()
         handovers += [(p, args, HELD) for p, args in params_in_order if id(p) in agreement.held]
         self._settling = (agreement, {id(p): args for p, args in params_in_order})
-        self._set_phase(Phase.UNAGREED)
+        self._set_phase(WalkPhase.UNAGREED)
         return handovers
 
     def settle_order(self, walkable: bool) -> None:
@@ -550,13 +541,13 @@ class Planner:
             agreement, args = settling
             self.order = ReductionOrder.agree(self.backend, agreement.arrived, args,
                                               agreement.clocks if self.clocked else None)
-            self._set_phase(Phase.ORDERED)
+            self._set_phase(WalkPhase.ORDERED)
 
-    def _set_phase(self, phase: Phase) -> None:
+    def _set_phase(self, phase: WalkPhase) -> None:
         self.phase = phase
-        if phase is Phase.HOLDING:
+        if phase is WalkPhase.HOLDING:
             self.wake_at = NEVER
-        elif phase is not Phase.WALKING:
+        elif phase is not WalkPhase.WALKING:
             self.wake_at, self.wake_task = -1, -1
 
     def _agreement_of(self, task: int) -> _Agreement:
@@ -566,7 +557,7 @@ class Planner:
         agreement = self._agreement
         if agreement is None:
             agreement = self._agreement = _Agreement(task, self.backend)
-            self._set_phase(Phase.AGREEING)
+            self._set_phase(WalkPhase.AGREEING)
         elif agreement.task != task:
             self._nested_seen()
         return agreement
@@ -580,7 +571,7 @@ class Planner:
         walk = self._walk
         if walk is None:
             walk = self._walk = _Walk(self.order, task, self.backend, self.clocked)
-            self._set_phase(Phase.WALKING)
+            self._set_phase(WalkPhase.WALKING)
             self.wake_at, self.wake_task = walk.wake_at(), task
         elif walk.task != task:
             self._nested_seen()

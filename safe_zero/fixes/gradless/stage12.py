@@ -9,7 +9,7 @@ from deepspeed import comm as dist
 from torch._C import _current_graph_task_id
 
 from safe_zero.fixes.gradless.adapter import WHY, WHY_NOT_USED, Gradless, PlannerAdapter
-from safe_zero.fixes.gradless.collectives import zero_grads_for
+from safe_zero.fixes.gradless.gradients import zero_grads_for
 from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
 

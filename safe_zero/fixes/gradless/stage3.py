@@ -12,7 +12,7 @@ from deepspeed.utils import z3_leaf_parameter
 from torch._C import _current_graph_task_id
 
 from safe_zero.fixes.gradless.adapter import WHY, Gradless, PlannerAdapter
-from safe_zero.fixes.gradless.collectives import zero_grads_for
+from safe_zero.fixes.gradless.gradients import zero_grads_for
 from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording
 from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
@@ -28,7 +28,8 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         super().__init__(*args, **kwargs)
         # The walk follows the module clock of safe_zero's coordinator (a stock one has none: no walk on a clock).
         coordinator = self.parameter_offload.get_param_coordinator()
-        clock = coordinator.module_clock if isinstance(coordinator, AgreesOnModulesWhileRecording) else None
+        clock = coordinator._safe_zero.module_order.clock \
+            if isinstance(coordinator, AgreesOnModulesWhileRecording) else None
         self._start_planner(dist.get_world_size(group=self.dp_process_group), queues=False, clock=clock)
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
@@ -46,7 +47,7 @@ class ReduceInOneOrderStage3(PlannerAdapter):
     def _walkable(self) -> bool:
         # A trace left during this step: the next one records the module order again, and agrees again.
         clock = self._safe_zero.gradless.clock
-        return clock is not None and clock.recorded()
+        return clock is not None and clock.followed
 
     def _zero_fill(self, wanted: Iterable[tuple[torch.nn.Parameter, str]]) -> None:
         # The parameter may already be re-partitioned here: size the gradient from ds_shape.

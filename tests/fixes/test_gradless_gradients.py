@@ -2,7 +2,7 @@
 
 import torch
 
-from safe_zero.fixes.gradless.collectives import Reachability
+from safe_zero.fixes.gradless.gradients import Reachability
 
 
 def test_held_accumulators_answer_each_backward_afresh():

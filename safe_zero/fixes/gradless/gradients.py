@@ -1,15 +1,13 @@
-"""What a :class:`~safe_zero.fixes.gradless.planner.Planner` needs from torch: autograd's reachability, the
-data-parallel collectives, and zero gradients."""
+"""What a :class:`~safe_zero.fixes.gradless.planner.Planner` needs from torch and the optimizer: autograd's
+reachability and the parameters per data-parallel group (:class:`OptimizerView`), and zero gradients."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
 from torch._utils import _unflatten_dense_tensors
 from torch.autograd.graph import _get_grad_fn_or_grad_acc
 
@@ -56,32 +54,17 @@ class Reachability:
         return [node is not None and will_execute(node) for node in nodes]
 
 
-class _Flags:
-    def __init__(self, flags: torch.Tensor, work: Any) -> None:
-        self.flags, self.work = flags, work
+class OptimizerView:
+    """The planner's :class:`~safe_zero.fixes.gradless.planner.Optimizer` on a ZeRO optimizer (``optimizer``, a
+    ``PlannerAdapter``): its trainable parameters per data-parallel group, autograd's reachability
+    (``hold_accumulators``: see :class:`Reachability`, ZeRO-1/2 only), and its session's ranks; the session is told
+    once that reentrant checkpointing holds gradients for the epilogue."""
 
-    def done(self) -> bool:
-        return self.work.is_completed()
-
-    def result(self) -> list[int]:
-        self.work.wait()
-        return self.flags.tolist()
-
-
-class DataParallelRanks:
-    """The planner's :class:`~safe_zero.fixes.gradless.planner.Backend` on DeepSpeed's process groups.
-
-    ``agreed`` and ``ordered`` list an optimizer's trainable parameters per data-parallel group; ``session`` is
-    the optimizer's, told once that reentrant checkpointing holds gradients for the epilogue;
-    ``hold_accumulators``: see :class:`Reachability` (ZeRO-1/2 only).
-    """
-
-    def __init__(self, agreed: Callable[[], list[tuple[Any, list[torch.Tensor]]]],
-                 ordered: Callable[[], list[tuple[Any, list[torch.Tensor]]]], session: Session,
-                 hold_accumulators: bool) -> None:
-        self.agreed_groups = agreed
-        self.ordered_groups = ordered
+    def __init__(self, optimizer: Any, session: Session, hold_accumulators: bool) -> None:
+        self.agreed_groups = optimizer._reduced_params_by_group
+        self.ordered_groups = optimizer._ordered_params_by_group
         self.reached = Reachability(hold_accumulators)
+        self.ranks = session.ranks
         self._session = session
         self._warned = False
 
@@ -96,18 +79,6 @@ class DataParallelRanks:
                           ReentrantCheckpointWarning, stacklevel=5)
             self._session.engaged(FIX, "reentrant activation checkpointing: checkpointed blocks' gradients reduced "
                                        "at the end of the backward")
-
-    @staticmethod
-    def all_reduce_min(group: Any, flags: list[bool]) -> _Flags:
-        tensor = torch.tensor(flags, dtype=torch.uint8, device=get_accelerator().current_device_name())
-        return _Flags(tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group, async_op=True))
-
-    @staticmethod
-    def all_gather(group: Any, row: list[int]) -> list[list[int]]:
-        mine = torch.tensor(row, dtype=torch.int32, device=get_accelerator().current_device_name())
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
-        dist.all_gather(everyone, mine, group=group)
-        return [t.tolist() for t in everyone]
 
 
 #: Elements per zeroed buffer that a run of zero gradients is carved from: one fill per run instead of one
