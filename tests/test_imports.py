@@ -15,11 +15,6 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "safe_zero"
 REPOSITORY = PACKAGE.parent
 #: What is not the library: the tests and the code beside them (the rank rig, the bench, scripts, examples).
 BESIDE = ("tests", "rig", "benchmarks", "scripts", "examples")
-#: Test modules a module may still import, by importer: the replay world test_module_order_replay takes from
-#: test_gradless_planner moves into safe_zero (issue 49), and this entry goes with it.
-STILL_IMPORTED = {"tests.fixes.test_module_order_replay": {"tests.fixes.test_gradless_planner"}}
-
-
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -163,9 +158,8 @@ def test_no_module_imports_a_test_module():
     modules such as ``tests/lightning/cases.py``): a test module changes its private helpers without breaking
     another, and a reader finds what is shared in one place."""
     found = _test_modules_imported(_modules(*(REPOSITORY / root for root in BESIDE)))
-    new = {name: targets - STILL_IMPORTED.get(name, set()) for name, targets in found.items()}
-    new = {name: targets for name, targets in new.items() if targets}
-    assert not new, f"test modules imported by other modules: {new}; move what they share to tests/support/"
+    found = {name: targets for name, targets in found.items() if targets}
+    assert not found, f"test modules imported by other modules: {found}; move what they share to tests/support/"
 
 
 def test_nothing_beside_the_tests_imports_them():

@@ -296,7 +296,7 @@ def kept(r: Rank) -> set[str]:
             {names[j] for j in ids}}
 
 
-# -- models (the shapes of tests/models.py and of the zoo's failures) ------------------------------------------
+# -- models (the shapes of tests/support/models.py and of the zoo's failures) ------------------------------------------
 
 
 class Tower(nn.Module):

@@ -1,13 +1,23 @@
 """``gradless_params``: every rank reduces every trainable parameter in one order, with zeros where it has no
 gradient (DDP's rule for unused parameters), on ZeRO-1/2/3. The design: ``docs/rank_agreement.md``.
 
-- ``planner``: the protocol as a pure state machine (agreement, agreed order, walk), no torch.
-- ``collectives``: what the planner needs from autograd and the process groups; zero gradients.
-- ``adapter``: what the ZeRO-1/2 and ZeRO-3 optimizer mixins share: feed the planner, carry out its hand-overs.
-- ``stage12``, ``stage3``: those mixins.
-- ``module_order``: ZeRO-3's coordinator and parameter-manager mixins: the module clock, one module order,
-  optional modules kept gathered, MoE blocks gathered whole.
-- ``shadow``: the recorded step's fetches and releases, which a rank that skips some of them makes without compute.
+Two protocols, each one object with its own phase enum, each driven by thin DeepSpeed hooks:
+
+- The rank agreement (the optimizer's): ``planner.Planner`` (``WalkPhase``), a pure state machine (agreement, agreed
+  order, walk); ``gradients`` gives it autograd's reachability and the optimizer's parameters, and zero gradients;
+  ``adapter`` (what the ZeRO-1/2 and ZeRO-3 optimizer hooks share) and ``stage12``, ``stage3`` (those hooks) feed it
+  and carry out its hand-overs.
+- ZeRO-3's module order (the coordinator's): ``order.ModuleOrder`` (``TracePhase``): one module order on every rank,
+  optional modules kept gathered, a skipped module shadowed; its pure parts ``lockstep`` and ``shadow``;
+  ``module_order`` holds the coordinator's, the parameter manager's and the parameter dictionaries' hooks.
+
+Every collective and store wait of both goes through the session's ``safe_zero.ranks.Ranks``.
+
+Data flows one way between them: the coordinator's ``ModuleOrder`` owns the module clock (``order.ModuleClock``) and
+alone moves it; the ZeRO-3 optimizer's planner (``adapter.Gradless``) follows it, told of each backward module entry
+from its ``wake_at`` on and of the ranks leaving the order, and reads the clock's position. Within the optimizer, the
+planner offers the in-order fast path (``Planner.step``) and the stage hooks take it: a step along the chain per hook,
+written in the hook itself because a call per gradient hook is what the fast path saves (``Planner.step``'s protocol).
 
 ``safe_zero.fixes.gradless_params`` is the public face of this package.
 """

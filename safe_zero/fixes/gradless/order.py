@@ -491,7 +491,7 @@ class ModuleOrder:
         if modules:
             self.keep_gathered(modules, "found: some ranks skipped them in a forward", gather_now=True)
         if not self.stock.is_invalid_trace():
-            self.hooks._invalidate_trace()  # this forward's order differs between the ranks: record it again
+            self.trace_left()  # this forward's order differs between the ranks: record it again
 
     def _entered_by_rank(self) -> tuple[list[set[str]], list[set[str]], list[dict[str, int]]]:
         """Per rank, the names of the modules this recording forward entered, of those whose parameters it read
