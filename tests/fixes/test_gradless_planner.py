@@ -814,7 +814,7 @@ def _mutate(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType, *edits: t
 
 
 def test_a_planner_that_ignores_the_due_clock_fails_the_replays(monkeypatch):
-    _mutate(monkeypatch, planning, ("due[k] > clock", "False"))
+    _mutate(monkeypatch, planning, ("due[k] > now", "False"))
     for ranks_moving in [(0, 1), (1,)]:
         with pytest.raises(AssertionError):
             test_zero3_a_gradient_that_arrives_before_a_gather_where_the_order_has_it_after(ranks_moving)

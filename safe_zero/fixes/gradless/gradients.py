@@ -96,7 +96,7 @@ def zero_grads_for(wanted: Sequence[tuple[torch.nn.Parameter, torch.Size, Any, s
     start, n = 0, len(wanted)
     while start < n:
         dtype, device = wanted[start][0].dtype, wanted[start][2]
-        end, total, sizes, as_shaped = start, 0, [], True
+        end, total, sizes, as_shaped = start, 0, list[int](), True
         while end < n:
             param, shape, at, _ = wanted[end]
             size = math.prod(shape)

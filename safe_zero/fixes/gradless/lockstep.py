@@ -45,8 +45,8 @@ def _parent(name: str) -> str:
 
 
 def _partial(per_rank: Sequence[Iterable[str]]) -> set[str]:
-    sets = [set(names) for names in per_rank]
-    return set.union(*sets) - set.intersection(*sets)
+    first, *rest = [set(names) for names in per_rank]
+    return first.union(*rest) - first.intersection(*rest)
 
 
 def _runs_differ(runs: Sequence[Mapping[str, int]]) -> set[str]:

@@ -118,7 +118,7 @@ class ReductionOrder:
         self.slot = {id(p): (s, k) for s, sequence in enumerate(sequences) for k, p in enumerate(sequence)}
         #: The steps built last, by ``reached``: taken as reaching every one (``None``; ZeRO-3: by due clock), and
         #: the last pattern asked (a backward that asks builds on the one it began with, so both are kept).
-        self._steps: dict[bool, tuple[list[bool] | None, list[Step | None]]] = {}
+        self._steps: dict[bool, tuple[list[bool] | None, list[Step]]] = {}
 
     @classmethod
     def agree(cls, backend: Optimizer, arrived: list[Any], args: dict[int, tuple],
@@ -152,7 +152,7 @@ class ReductionOrder:
             args_rows.append([args[id(p)] for p in sequence])
         return cls(sequences, args_rows, due_rows if clocks is not None else None)
 
-    def steps(self, reached: list[bool] | None) -> list[Step | None]:
+    def steps(self, reached: list[bool] | None) -> list[Step]:
         """One sequence: per position, the fast path's step there (``Planner.step``), then the end's. ZeRO-1/2,
         for a backward that reaches ``reached`` (aligned with the sequence; ``None``: taken to reach every one, as
         long as no hook comes out of turn): a step per parameter it reaches, with the zeros after it, pointing at the
@@ -161,7 +161,8 @@ class ReductionOrder:
         cached = self._steps.get(reached is None)
         if cached is None or cached[0] is not reached and cached[0] != reached:
             params, n = self.sequences[0], len(self.sequences[0])
-            steps: list[Step | None] = [None] * n + [(_At(n), NEVER if self.due is not None else (), n)]
+            # NO_STEP where this backward does not reach a parameter: no step of the chain points there.
+            steps: list[Step] = [NO_STEP] * n + [(_At(n), NEVER if self.due is not None else (), n)]
             if self.due is not None:
                 for k in range(n):
                     steps[k] = (params[k], self.due[0][k], k + 1)
@@ -192,7 +193,7 @@ def merge_orders(arrivals: list[list[int]], n: int, key: Callable[[int], Any]) -
             waiting[b] += 1
     ready = [(key(k), k) for k in range(n) if not waiting[k]]
     heapq.heapify(ready)
-    placed, merged = [False] * n, []
+    placed, merged = [False] * n, list[int]()
     while len(merged) < n:
         if ready:
             k = heapq.heappop(ready)[1]
@@ -241,13 +242,15 @@ class _Agreement:
             self.queued.append((param, args))
             return []
         handovers = self.drain()
-        if id(param) not in self.held:
+        if id(param) not in self.held:  # type: ignore[operator]  # drain() asserted it known
             handovers.append((param, args, FIRED))
         return handovers
 
     def drain(self) -> list[Handover]:
         queued, self.queued = self.queued, []
-        return [(p, args, FIRED) for p, args in queued if id(p) not in self.held]
+        held = self.held
+        assert held is not None, "drained before the answer is known"
+        return [(p, args, FIRED) for p, args in queued if id(p) not in held]
 
 
 def _asked(backend: Optimizer, sequence: list[Any], k: int) -> list[bool]:
@@ -285,11 +288,11 @@ class _Walk:
         """
         order = self.order
         params, args_of, k = order.sequences[sequence], order.args[sequence], self.next[sequence]
-        due = order.due[sequence] if clock is not None and order.due is not None else None
+        due, now = (order.due[sequence], clock) if clock is not None and order.due is not None else (None, 0)
         fired = self.fired
         handovers = []
         while k < len(params):
-            if due is not None and due[k] > clock:
+            if due is not None and due[k] > now:
                 break
             param = params[k]
             args = fired.pop(id(param), None)
@@ -360,7 +363,7 @@ class Planner:
         #: to the new step's due), as the stage mixins' hooks do; any other hook goes to :meth:`hook`. An identity test
         #: and a list index per hook, where a call costs microseconds between autograd's kernels (issue 26).
         self.step: Step = NO_STEP
-        self.steps: list[Step | None] = []
+        self.steps: list[Step] = []
 
     def begin_backward(self) -> None:
         """A new backward (not a nested one): forget what one that never reached its epilogue left."""
@@ -420,9 +423,9 @@ class Planner:
         # agreed order asks nothing.
         order = walk.order
         params, args_of, k = order.sequences[sequence], order.args[sequence], walk.next[sequence]
-        due = order.due[sequence] if clock is not None and order.due is not None else None
+        due, now = (order.due[sequence], clock) if clock is not None and order.due is not None else (None, 0)
         reached = walk.reached[sequence]
-        if position == k and (due is None or due[k] <= clock):  # the next one due, as it is when ranks agree
+        if position == k and (due is None or due[k] <= now):  # the next one due, as it is when ranks agree
             handovers = [(param, args, FIRED)]
             k += 1
         else:  # parked until the ones before it are handed over
@@ -431,7 +434,7 @@ class Planner:
             if reached is None and clock is None:  # ZeRO-1/2, out of turn: ask (see above)
                 reached = walk.reached[sequence] = _asked(self.backend, params, k)
         while k < len(params):
-            if due is not None and due[k] > clock:
+            if due is not None and due[k] > now:
                 break
             nxt = params[k]
             nxt_args = fired.pop(id(nxt), None) if fired else None
@@ -528,7 +531,9 @@ class Planner:
         params_in_order = list(params_in_order)
         agreement.known(wait=True)
         handovers = agreement.drain()
-        handovers += [(p, args, HELD) for p, args in params_in_order if id(p) in agreement.held]
+        held = agreement.held
+        assert held is not None  # known(wait=True) set it
+        handovers += [(p, args, HELD) for p, args in params_in_order if id(p) in held]
         self._settling = (agreement, {id(p): args for p, args in params_in_order})
         self._set_phase(WalkPhase.UNAGREED)
         return handovers
@@ -570,6 +575,7 @@ class Planner:
         stops here, before the update; the next backwards agree again instead of walking."""
         walk = self._walk
         if walk is None:
+            assert self.order is not None, "a walk needs an agreed order"
             walk = self._walk = _Walk(self.order, task, self.backend, self.clocked)
             self._set_phase(WalkPhase.WALKING)
             self.wake_at, self.wake_task = walk.wake_at(), task
