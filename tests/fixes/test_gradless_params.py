@@ -51,17 +51,17 @@ def test_safe_zero_trains_and_leaves_the_gradless_parameter_unchanged(ranks, sta
 
 
 def test_zero_gradients_of_a_run_share_bounded_buffers_and_keep_every_shape(monkeypatch):
-    from safe_zero.fixes.gradless import collectives
+    from safe_zero.fixes.gradless import gradients
     from safe_zero.session import Session
 
-    monkeypatch.setattr(collectives, "ZERO_FILL_CHUNK", 100)
+    monkeypatch.setattr(gradients, "ZERO_FILL_CHUNK", 100)
     session, reported = Session(), set()
     f32 = [torch.nn.Parameter(torch.ones(s)) for s in [(4, 5), (0, 8), (10, 3), (7, 20), (3,)]]
     bf16 = torch.nn.Parameter(torch.ones(2, 2, dtype=torch.bfloat16))
     released = torch.nn.Parameter(torch.ones(0))  # a ZeRO-3 parameter whose data is already released
     wanted = [(p, p.shape, "cpu", "was not used") for p in f32[:2]] + [(bf16, bf16.shape, "cpu", "was not used")] \
         + [(p, p.shape, "cpu", "was not used") for p in f32[2:]] + [(released, torch.Size((6, 2)), "cpu", "had none")]
-    collectives.zero_grads_for(wanted, reported, session)
+    gradients.zero_grads_for(wanted, reported, session)
 
     for p, shape, _, _ in wanted:
         assert p.grad.shape == shape and p.grad.dtype == p.dtype and not p.grad.any()
