@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as torch_dist
@@ -39,6 +39,12 @@ from safe_zero.patching import calls, overrides
 from safe_zero.rank_progress import RankProgress, UnevenInputsError
 from safe_zero.ranks import default_store
 from safe_zero.session import Session, State, state_of
+
+if TYPE_CHECKING:
+    # mypy reads the mixin as the engine it is put before; at run time it subclasses nothing (docs/developing.md).
+    from deepspeed.runtime.engine import DeepSpeedEngine as _Engine
+else:
+    _Engine = object
 
 
 class UnevenInputs:
@@ -63,7 +69,7 @@ class UnevenInputs:
 
 
 @calls("zero_optimization_partition_weights", "gradient_accumulation_steps", "step")
-class JoinsUnevenInputs:
+class JoinsUnevenInputs(_Engine):
     """Mixin for DeepSpeed's engine: a ``Joinable`` whose finished ranks shadow the others' iterations (see the
     module's docstring). Outside a ``Join`` it adds no collective (``Join.notify_join_context`` returns at once), only
     each micro-step's post to the store, and the meeting at saves (:mod:`safe_zero.rank_progress`).
@@ -75,6 +81,7 @@ class JoinsUnevenInputs:
     @overrides
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         uneven = self._safe_zero.uneven
+        assert uneven is not None  # make_joinable gave it
         if not uneven.shadowing and torch.is_grad_enabled():  # a training iteration (an evaluation is none, as DDP's)
             if uneven.progress is not None and self.module.training and self.zero_optimization_partition_weights():
                 uneven.progress.begin(self.micro_steps)  # ZeRO-3's forward gathers: the micro-step's collectives begin
@@ -92,6 +99,7 @@ class JoinsUnevenInputs:
     @overrides
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         uneven = self._safe_zero.uneven
+        assert uneven is not None
         if uneven.progress is not None and not uneven.shadowing:
             uneven.progress.begin(self.micro_steps)
         scale = uneven.loss_scale
@@ -109,13 +117,16 @@ class JoinsUnevenInputs:
 
     @overrides
     def destroy(self) -> None:
-        progress = self._safe_zero.uneven.progress
-        if progress is not None:
-            progress.leave(self.micro_steps, "the engine's destroy")
+        uneven = self._safe_zero.uneven
+        assert uneven is not None
+        if uneven.progress is not None:
+            uneven.progress.leave(self.micro_steps, "the engine's destroy")
         super().destroy()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        self._safe_zero.uneven.divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        uneven = self._safe_zero.uneven
+        assert uneven is not None
+        uneven.divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return ShadowsAnIteration(self)
 
     @property
@@ -152,7 +163,7 @@ class ShadowsAnIteration(JoinHook):
     def _zero_loss(self) -> torch.Tensor:
         engine = self.engine
         if not engine.zero_optimization_partition_weights():
-            return sum((p * 0).sum() for p in engine.module.parameters() if p.requires_grad)  # type: ignore[return-value]
+            return sum((p * 0).sum() for p in engine.module.parameters() if p.requires_grad)
         last = engine._safe_zero.uneven.last_batch
         if last is None:
             raise UnevenInputsError(
@@ -222,7 +233,7 @@ def joinable_class(engine_class: type) -> type:
 def make_joinable(engine: Any, session: Session) -> None:
     """Give a ``DeepSpeedEngine`` (not a pipeline or hybrid engine) :class:`JoinsUnevenInputs`, and its state."""
     if type(engine) is DeepSpeedEngine:
-        engine.__class__ = joinable_class(DeepSpeedEngine)
+        engine.__class__ = JoinableDeepSpeedEngine
         engine._join_config = _JoinConfig.construct_disabled_join_config()
         uneven = state_of(engine, session).uneven = UnevenInputs()
         uneven.progress = _progress_of(engine, session)

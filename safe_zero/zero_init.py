@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero.partition_parameters import Init as STOCK_INIT
 
 from safe_zero.fixes.coalesced_gather_wait import WaitEveryCoalescedGather
 from safe_zero.fixes.zero3_zero_element_params import FIX, SafeCUDAQuantizer, ZeroElements, adopt, is_zero_element
@@ -32,7 +33,6 @@ from safe_zero.options import SafeZeroOptions, resolve_config
 from safe_zero.patching import overrides, swapped
 from safe_zero.session import Session, current_session, made_current, state_of
 
-STOCK_INIT = partition_parameters.Init
 _STOCK_SIGNATURE = inspect.signature(STOCK_INIT.__init__)
 
 
@@ -69,5 +69,6 @@ class Init(WaitEveryCoalescedGather, STOCK_INIT):
     def _convert_to_deepspeed_param(self, param: torch.nn.Parameter) -> None:
         super()._convert_to_deepspeed_param(param)
         state = state_of(self)
+        assert state.zero_element is not None  # __init__ gave it
         if state.zero_element.adopt_each and state.session.uses(FIX):
             adopt([param], state.session)

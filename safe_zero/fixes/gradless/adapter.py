@@ -16,7 +16,13 @@ from safe_zero.patching import overrides
 from safe_zero.session import State, session_for, state_of
 
 if TYPE_CHECKING:
+    # mypy reads each mixin as the DeepSpeed class it is put before (untyped: its attributes are Any); at run time a
+    # mixin subclasses nothing (docs/developing.md, "A new fix").
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer as _ZeROOptimizer
+
     from safe_zero.fixes.gradless.order import ModuleClock
+else:
+    _ZeROOptimizer = object
 
 WHY_NOT_USED = "was not used on this rank"
 #: What a zero gradient stands for, indexed by why the planner hands the parameter over (the report's wording).
@@ -54,7 +60,7 @@ class Gradless(Planner):
             optimizer._carry_out(self.boundary(position, task))
 
 
-class PlannerAdapter:
+class PlannerAdapter(_ZeROOptimizer):
     """Base of ``ReduceInOneOrderStage12`` and ``ReduceInOneOrderStage3``.
 
     A stage mixin builds its planner once, at construction (:meth:`_start_planner`), and from then on tells it
@@ -163,7 +169,9 @@ class PlannerAdapter:
         missing = [(param, WHY[reason]) for param, _, reason in handovers if param.grad is None]
         if missing:
             self._zero_fill(missing)
-        stock = self._safe_zero.gradless.stock_hook
+        planner = self._safe_zero.gradless
+        assert planner is not None  # handovers come from it
+        stock = planner.stock_hook
         for param, args, _ in handovers:
             stock(param, *args)
 

@@ -4,7 +4,7 @@ whole, reads outside a module's entry agreed on."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 import torch
 from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
@@ -19,6 +19,19 @@ from safe_zero.leaf_modules import experts_beside_root, moe_blocks, optional_mod
 from safe_zero.options import zero_stage
 from safe_zero.patching import calls, overrides, pass_through
 from safe_zero.session import Session, State, session_for, state_of
+
+if TYPE_CHECKING:
+    # mypy reads each mixin as the DeepSpeed class it is put before (untyped: its attributes are Any); at run time a
+    # mixin subclasses nothing (docs/developing.md, "A new fix").
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as _Offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as _Coordinator
+
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict as _Parameters
+
+    from safe_zero.fixes.gradless.order import Coordinator
+    from safe_zero.zero_types import ZeROModule
+else:
+    _Offload = _Coordinator = _Parameters = object
 
 
 def blocks_to_gather_whole(model: Any, config: dict[str, Any] | None, session: Session) -> dict[str, nn.Module]:
@@ -40,7 +53,7 @@ def make_leaves(blocks: dict[str, nn.Module], session: Session) -> None:
 
 
 @calls("get_param_coordinator")
-class KeepsOptionalModulesGathered:
+class KeepsOptionalModulesGathered(_Offload):
     """Mixin for ``DeepSpeedZeRoOffload``: modules some ranks skip stay gathered on every rank.
 
     Their parameters join DeepSpeed's persistent parameters, which the optimizer gathers again after
@@ -53,7 +66,7 @@ class KeepsOptionalModulesGathered:
     """
 
     @overrides
-    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, module: ZeROModule, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
         session = session_for(self)
         if not session.uses(FIX):
@@ -62,20 +75,22 @@ class KeepsOptionalModulesGathered:
         if not isinstance(coordinator, AgreesOnModulesWhileRecording):
             return
         order = coordinator._safe_zero.module_order
+        assert order is not None  # the coordinator's __init__ made it
         order.know_model(module, self.persistent_parameters, session.options.find_optional_modules)
-        listed = optional_modules(module, session.options.optional_modules)
-        experts = {name: m for name, m in experts_beside_root(module).items() if not _inside_any(name, listed)}
+        listed = cast("dict[str, ZeROModule]", optional_modules(module, session.options.optional_modules))
+        experts = {name: cast("ZeROModule", m) for name, m in experts_beside_root(module).items()
+                   if not _inside_any(name, listed)}
         if listed:
             order.keep_gathered(listed, "listed in optional_modules")
         if experts:
             order.keep_gathered(experts, "experts beside the model's root, which each rank routes differently")
 
 
-def _inside_any(name: str, outer: dict[str, nn.Module]) -> bool:
+def _inside_any(name: str, outer: Iterable[str]) -> bool:
     return any(name == o or name.startswith(f"{o}.") for o in outer)
 
 
-class AgreesBeforeReadingAParameter:
+class AgreesBeforeReadingAParameter(_Parameters):
     """Mixin for DeepSpeed's ``ZeROOrderedDict`` (a module's ``_parameters`` under ZeRO-3): a parameter read in a
     forward while it is not gathered, outside its module's entry (Qwen2-VL's ``self.proj.weight.dtype`` before calling
     ``self.proj``), is one DeepSpeed gathers on the reading rank alone. While the ranks record the module order they
@@ -86,13 +101,14 @@ class AgreesBeforeReadingAParameter:
 
     @overrides
     def __getitem__(self, key: str) -> Any:
-        param = dict.__getitem__(self, key)  # type: ignore[arg-type]
+        param: Any = dict.__getitem__(self, key)
         order = self._safe_zero.module_order
+        assert order is not None  # given with the coordinator's state (_watch_reads)
         status = getattr(param, "ds_status", None)
-        if self._in_forward and (status == ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+        if self._in_forward and (status == ZeroParamStatus.NOT_AVAILABLE
                                  or (order.inside and status == ZeroParamStatus.AVAILABLE)):
-            order.agree_on_read(self._parent_module, param)  # type: ignore[attr-defined]
-        return super().__getitem__(key)  # type: ignore[misc]
+            order.agree_on_read(self._parent_module, param)
+        return super().__getitem__(key)
 
 
 class SafeZeROOrderedDict(AgreesBeforeReadingAParameter, ZeROOrderedDict):
@@ -110,7 +126,7 @@ def _watch_reads(dicts: list[Any], state: State | None) -> None:
 
 
 @calls("is_record_trace", "is_complete_trace", "is_invalid_trace")
-class AgreesOnModulesWhileRecording:
+class AgreesOnModulesWhileRecording(_Coordinator):
     """Mixin for ``PartitionedParameterCoordinator``: DeepSpeed's hooks of the module-order protocol, which lives in
     one :class:`~safe_zero.fixes.gradless.order.ModuleOrder` (``self._safe_zero.module_order``).
 
@@ -144,8 +160,8 @@ class AgreesOnModulesWhileRecording:
     @overrides
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         state = state_of(self)
-        state.module_order = ModuleOrder(state.session, super(AgreesOnModulesWhileRecording, self), self,
-                                         AgreesOnModulesWhileRecording)
+        stock = cast("Coordinator", super(AgreesOnModulesWhileRecording, self))
+        state.module_order = ModuleOrder(state.session, stock, self, AgreesOnModulesWhileRecording)
         super().__init__(*args, **kwargs)
         # DeepSpeed calls these per module entry: with nothing kept gathered and no divergence the hooks have nothing
         # to do, and with the fix off neither has the fetch (the module clock then has no follower).
@@ -157,29 +173,36 @@ class AgreesOnModulesWhileRecording:
     def reset_step(self) -> None:
         state = self._safe_zero
         order = state.module_order
+        assert order is not None
         order.begin_step()
         _watch_reads(order.dicts, state if order.phase is TracePhase.RECORDING else None)
 
     @overrides
     def _invalidate_trace(self) -> None:
-        self._safe_zero.module_order.trace_left()
+        order = self._safe_zero.module_order
+        assert order is not None
+        order.trace_left()
 
     @overrides
-    def trace_prologue(self, sub_module: nn.Module) -> None:
-        if id(sub_module) not in self._safe_zero.module_order.kept_modules:
+    def trace_prologue(self, sub_module: ZeROModule) -> None:
+        order = self._safe_zero.module_order
+        assert order is not None
+        if id(sub_module) not in order.kept_modules:
             super().trace_prologue(sub_module)
 
     @overrides
-    def record_module(self, sub_module: nn.Module) -> None:
+    def record_module(self, sub_module: ZeROModule) -> None:
         order = self._safe_zero.module_order
+        assert order is not None
         if id(sub_module) not in order.kept_modules:
             super().record_module(sub_module)
             order.recording.append(sub_module.ds_id)
 
     @overrides
-    def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None:
+    def fetch_sub_module(self, current_submodule: ZeROModule, forward: bool) -> None:
         # DeepSpeed calls trace_prologue, then this, at each module entry: one hook carries the entry.
         order = self._safe_zero.module_order
+        assert order is not None
         if id(current_submodule) in order.kept_modules:
             return
         if order.phase is TracePhase.LEFT or order.phase is TracePhase.SHADOWING:  # off the recorded order
@@ -198,7 +221,8 @@ class AgreesOnModulesWhileRecording:
         super().fetch_sub_module(current_submodule, forward)
 
     @overrides
-    def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None:
+    def release_sub_module(self, submodule: ZeROModule, forward: bool = False) -> None:
         order = self._safe_zero.module_order
+        assert order is not None
         if id(submodule) not in order.kept_modules:
             order.release(submodule, forward)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 from deepspeed.runtime.zero import parameter_offload
@@ -34,6 +34,9 @@ from safe_zero.fixes.gradless.lockstep import END, module_of, module_to_gather, 
 from safe_zero.fixes.gradless.shadow import FETCH, RELEASE, Event, Shadow
 from safe_zero.patching import pass_through, resume
 from safe_zero.session import Session
+
+if TYPE_CHECKING:
+    from safe_zero.zero_types import ZeROModule, ZeROParameter
 
 
 class TracePhase(enum.Enum):
@@ -93,8 +96,8 @@ class Coordinator(Protocol):
     def is_invalid_trace(self) -> bool: ...
     def reset_step(self) -> None: ...
     def _invalidate_trace(self) -> None: ...
-    def fetch_sub_module(self, current_submodule: nn.Module, forward: bool) -> None: ...
-    def release_sub_module(self, submodule: nn.Module, forward: bool = False) -> None: ...
+    def fetch_sub_module(self, current_submodule: ZeROModule, forward: bool) -> None: ...
+    def release_sub_module(self, submodule: ZeROModule, forward: bool = False) -> None: ...
 
 
 class ModuleClock:
@@ -124,7 +127,7 @@ class ModuleClock:
         return position
 
 
-def module_params(module: nn.Module) -> list[nn.Parameter]:
+def module_params(module: ZeROModule) -> list[ZeROParameter]:
     """The parameters DeepSpeed fetches for ``module`` (a leaf module's, its children's too)."""
     return list(iter_params(module, recurse=z3_leaf_module(module)))
 
@@ -149,19 +152,19 @@ class ModuleOrder:
         # The model, from know_model: names by ds_id (errors), (name, module) by ds_id, named_modules position by
         # ds_id (the lockstep's order), the root's ds_id, the ModuleList/ModuleDict names (experts).
         self.names: dict[int, str] = {}
-        self.modules: dict[int, tuple[str, nn.Module]] = {}
+        self.modules: dict[int, tuple[str, ZeROModule]] = {}
         self.order: dict[int, int] = {}
         self.root_id: int | None = None
         self.alternatives: set[str] = set()
         #: DeepSpeed's list of persistent parameters, which kept ones join.
-        self.persistent: list[nn.Parameter] = []
+        self.persistent: list[ZeROParameter] = []
         #: Whether modules some ranks skip are found (``"optional_modules"`` not ``false``).
         self.find_skipped = False
         #: The model's parameter dictionaries (``ZeROOrderedDict``), which watch reads in recording forwards.
         self.dicts: list[ZeROOrderedDict] = []
         #: Kept gathered: ``id()`` of each module in a kept one, and the kept parameters (an ordered set).
         self.kept_modules: frozenset[int] | set[int] = frozenset()
-        self.kept: dict[nn.Parameter, None] = {}
+        self.kept: dict[ZeROParameter, None] = {}
         #: The module ids of the trace being recorded, and of the last one recorded.
         self.recording: list[int] = []
         self.recorded: list[int] = []
@@ -171,10 +174,10 @@ class ModuleOrder:
         self.group: Any = None
         #: In a lockstep: the modules this rank entered (or read) gathered whole, and the ``ds_id`` of every module
         #: inside them.
-        self.wholes: list[nn.Module] = []
+        self.wholes: list[ZeROModule] = []
         self.inside: frozenset[int] | set[int] = frozenset()
         #: Reads the lockstep served this forward: (module running, module read, parameter).
-        self.served_reads: list[tuple[nn.Module, nn.Module, nn.Parameter]] = []
+        self.served_reads: list[tuple[ZeROModule, ZeROModule, ZeROParameter]] = []
         #: The events of the recorded step, which a rank that skips some of them makes without their compute.
         self.shadow = Shadow()
         #: Whether this step's backward makes what is left of the recorded step at its end (an autograd callback).
@@ -185,7 +188,7 @@ class ModuleOrder:
 
     # -- the model -------------------------------------------------------------------------------------------------
 
-    def know_model(self, root: nn.Module, persistent: list[nn.Parameter], find_skipped: bool) -> None:
+    def know_model(self, root: ZeROModule, persistent: list[ZeROParameter], find_skipped: bool) -> None:
         """The model's modules (names for errors, ``named_modules`` order for the lockstep), DeepSpeed's list of
         persistent parameters that kept ones join, and whether to find modules some ranks skip."""
         named = [(name, m) for name, m in root.named_modules() if hasattr(m, "ds_id")]
@@ -198,7 +201,7 @@ class ModuleOrder:
         self.find_skipped = find_skipped
         self.dicts = [m._parameters for _, m in named if type(m._parameters) is ZeROOrderedDict]
 
-    def keep_gathered(self, modules: dict[str, nn.Module], why: str, gather_now: bool = False) -> None:
+    def keep_gathered(self, modules: dict[str, ZeROModule], why: str, gather_now: bool = False) -> None:
         """Leave ``modules`` (by name) out of the trace, fetch and release, and keep their parameters gathered:
         from the next forward on, or at once (``gather_now``, on every rank alike)."""
         params = list(dict.fromkeys(p for outer in modules.values() for p in outer.parameters()))
@@ -324,7 +327,7 @@ class ModuleOrder:
         module = self.modules[event.module][1]
         return any(event.module in p.ds_active_sub_modules for p in module_params(module))
 
-    def leave(self, module: nn.Module, position: int) -> None:
+    def leave(self, module: ZeROModule, position: int) -> None:
         """This rank's entry of ``module`` at ``position`` left the recorded order, and no shadow gets it back: every
         rank must have left it at the same module (agreed through the store), else each raises."""
         self._set_phase(TracePhase.UNRECORDED)
@@ -338,7 +341,7 @@ class ModuleOrder:
         if self.clock.follower is not None:
             self.clock.follower.left_order()
 
-    def entered(self, module: nn.Module, forward: bool) -> None:
+    def entered(self, module: ZeROModule, forward: bool) -> None:
         """A module entry while the ranks agree on entries (recording): recorded for the shadow, and agreed on before
         its gather."""
         self.shadow.record(Event(FETCH, module.ds_id, forward))
@@ -350,7 +353,7 @@ class ModuleOrder:
 
     # -- a release (DeepSpeed's release_sub_module) ----------------------------------------------------------------
 
-    def release(self, submodule: nn.Module, forward: bool) -> None:
+    def release(self, submodule: ZeROModule, forward: bool) -> None:
         """DeepSpeed's release of ``submodule``, with what the protocol adds: the shadow's catch-up or record, kept
         parameters it shares held, and the lockstep's whole modules and settlement."""
         phase = self.phase
@@ -376,7 +379,7 @@ class ModuleOrder:
 
     # -- reads outside a module's entry ----------------------------------------------------------------------------
 
-    def agree_on_read(self, owner: nn.Module, param: nn.Parameter) -> None:
+    def agree_on_read(self, owner: ZeROModule, param: ZeROParameter) -> None:
         """A recording forward reads ``param`` of ``owner`` outside ``owner``'s entry. Not gathered: DeepSpeed is about
         to gather it on this rank alone, so the ranks agree on it first, as on an entry. Gathered only because the
         lockstep gathered ``owner`` whole for this rank: registered with the module running, as DeepSpeed's access
@@ -410,7 +413,7 @@ class ModuleOrder:
         """Every rank's ``value``, in rank order (a collective)."""
         return [row[0] for row in self.ranks.all_gather(self.group, [value])]
 
-    def _agree_on_module(self, announcement: int, params: Sequence[nn.Parameter] = ()) -> None:
+    def _agree_on_module(self, announcement: int, params: Sequence[ZeROParameter] = ()) -> None:
         """Before this rank gathers ``params`` of the module announced (an entry, or ``read_of`` one; ``END``: after
         its forward), in a recording forward."""
         module_id = module_of(announcement)
@@ -433,7 +436,7 @@ class ModuleOrder:
                 self.inside = {*self.inside, *(m.ds_id for m in module.modules() if hasattr(m, "ds_id"))}
                 return
 
-    def _leave_whole(self, modules: list[nn.Module]) -> None:
+    def _leave_whole(self, modules: list[ZeROModule]) -> None:
         """Out of ``modules`` gathered whole for this rank: what their children's releases left gathered goes too,
         so every rank holds the same again."""
         self.wholes = [m for m in self.wholes if m not in modules]
@@ -443,7 +446,7 @@ class ModuleOrder:
         if idle:
             idle[0].partition(param_list=idle)
 
-    def _gather_alike(self, params: list[nn.Parameter], entering: bool, name: str) -> None:
+    def _gather_alike(self, params: list[ZeROParameter], entering: bool, name: str) -> None:
         """Gather what of ``params`` (of module ``name``) is partitioned, on every rank together; a rank not
         ``entering`` their module partitions them again at once, so outside the modules a rank is running every rank
         holds the same."""
@@ -508,7 +511,7 @@ class ModuleOrder:
                 [{names[i]: flags >> RUNS_SHIFT for i, flags in enumerate(row) if flags & ENTERED} for row in everyone])
 
 
-def _size(params: list[nn.Parameter]) -> str:
+def _size(params: list[ZeROParameter]) -> str:
     """What keeping ``params`` gathered costs on every rank (their whole size, not a partition)."""
     size = float(sum(p.ds_numel * p.element_size() for p in params))
     for unit in ("bytes", "KiB", "MiB"):
@@ -529,7 +532,7 @@ def _skippable_candidates(names: list[str]) -> list[str]:
     return list(dict.fromkeys(".".join(name.split(".")[:len(common) + 1]) for name in distinct))
 
 
-def _left_alone_message(names: dict[int, str], module: nn.Module, expected: int | None, timeout: float) -> str:
+def _left_alone_message(names: dict[int, str], module: ZeROModule, expected: int | None, timeout: float) -> str:
     name = names.get(module.ds_id, type(module).__name__)
     other = names.get(expected, f"module #{expected}") if expected is not None else None
     ran = f"`{other}`, which" if other else "the module that"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from deepspeed import comm as dist
@@ -13,8 +13,13 @@ from safe_zero.fixes.gradless.gradients import zero_grads_for
 from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as _Optimizer
+else:
+    _Optimizer = object
 
-class ReduceInOneOrderStage12(PlannerAdapter):
+
+class ReduceInOneOrderStage12(PlannerAdapter, _Optimizer):
     """Mixin for ``DeepSpeedZeroOptimizer`` (ZeRO-1/2, every reduction route).
 
     ZeRO-2 (and ZeRO-1 with ``overlap_comm``) reduces in its gradient hooks, so they go through the planner, which
@@ -41,6 +46,7 @@ class ReduceInOneOrderStage12(PlannerAdapter):
     def _zero_fill(self, wanted: Iterable[tuple[torch.nn.Parameter, str]]) -> None:
         accum = self.use_grad_accum_attribute
         state = self._safe_zero
+        assert state.gradless is not None  # the fix is on: only then are zeros filled
         zero_grads_for([(param, param.shape, param.device, why) for param, why in wanted
                         # earlier micro-steps left it a gradient
                         if not (accum and getattr(param, "grad_accum", None) is not None)],

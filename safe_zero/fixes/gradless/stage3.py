@@ -3,7 +3,7 @@ clock (docs/rank_agreement.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from deepspeed import comm as dist
@@ -17,8 +17,13 @@ from safe_zero.fixes.gradless.module_order import AgreesOnModulesWhileRecording
 from safe_zero.fixes.gradless.planner import FIRED
 from safe_zero.patching import overrides
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as _Optimizer
+else:
+    _Optimizer = object
 
-class ReduceInOneOrderStage3(PlannerAdapter):
+
+class ReduceInOneOrderStage3(PlannerAdapter, _Optimizer):
     """Mixin for ``DeepSpeedZeroOptimizer_Stage3``: the same for parameters outside ZeRO-3 leaf modules (a leaf
     module's backward hook already reduces all of its parameters, zero-filled, in order), walked on the module
     clock of safe_zero's coordinator (``AgreesOnModulesWhileRecording``)."""
@@ -28,8 +33,8 @@ class ReduceInOneOrderStage3(PlannerAdapter):
         super().__init__(*args, **kwargs)
         # The walk follows the module clock of safe_zero's coordinator (a stock one has none: no walk on a clock).
         coordinator = self.parameter_offload.get_param_coordinator()
-        clock = coordinator._safe_zero.module_order.clock \
-            if isinstance(coordinator, AgreesOnModulesWhileRecording) else None
+        order = coordinator._safe_zero.module_order if isinstance(coordinator, AgreesOnModulesWhileRecording) else None
+        clock = order.clock if order is not None else None
         self._start_planner(dist.get_world_size(group=self.dp_process_group), queues=False, clock=clock)
 
     def _reduced_params_by_group(self) -> list[tuple[Any, list[torch.Tensor]]]:
@@ -46,15 +51,17 @@ class ReduceInOneOrderStage3(PlannerAdapter):
 
     def _walkable(self) -> bool:
         # A trace left during this step: the next one records the module order again, and agrees again.
-        clock = self._safe_zero.gradless.clock
-        return clock is not None and clock.followed
+        planner = self._safe_zero.gradless
+        return planner is not None and planner.clock is not None and planner.clock.followed
 
     def _zero_fill(self, wanted: Iterable[tuple[torch.nn.Parameter, str]]) -> None:
         # The parameter may already be re-partitioned here: size the gradient from ds_shape.
         device = get_accelerator().current_device_name()
         state = self._safe_zero
-        zero_grads_for([(param, param.ds_shape, device, why) for param, why in wanted], state.gradless.zeroed,
-                       state.session)
+        assert state.gradless is not None  # the fix is on: only then are zeros filled
+        # A ZeRO-3 parameter (zero_types.ZeROParameter); the signature is the stages' common one.
+        zero_grads_for([(param, param.ds_shape, device, why) for param, why in wanted],  # type: ignore[attr-defined]
+                       state.gradless.zeroed, state.session)
 
     def _stock_hook(self) -> Callable[..., None]:
         return super().reduce_ready_partitions_and_remove_grads
