@@ -66,7 +66,7 @@ test: lint
 	$(MAKE) -j2 test-main $(VENV_LEGACY)/.installed dist
 	$(MAKE) test-legacy
 
-# ruff (pycodestyle, pyflakes, complexity <= 10) and mypy on the public API; settings in pyproject.toml.
+# ruff (pycodestyle, pyflakes, complexity <= 10) and mypy over all of safe_zero/; settings in pyproject.toml.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/mypy

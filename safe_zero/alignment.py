@@ -24,7 +24,7 @@ import copy
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -40,8 +40,10 @@ GROUPED_MM_IMPLEMENTATIONS = frozenset({"grouped_mm"})
 
 _MARK = "_safe_zero_grouped_mm"
 
+_Marked = TypeVar("_Marked", bound=nn.Module | nn.Parameter)
 
-def mark_grouped_mm(target: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
+
+def mark_grouped_mm(target: _Marked) -> _Marked:
     """Declare that ``target`` feeds ``torch._grouped_mm`` / ``F.grouped_mm``, so safe_zero keeps it 16-byte aligned.
 
     For custom layers that Transformers' ``@use_experts_implementation`` detection cannot see.

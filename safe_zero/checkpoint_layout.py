@@ -23,7 +23,7 @@ where safe_zero turned ``parameter_alignment`` on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, Sequence, TypeVar
 
 import torch
 from deepspeed import comm as dist
@@ -39,6 +39,15 @@ from safe_zero.errors import AlignmentError
 from safe_zero.patching import overrides
 from safe_zero.session import state_of
 
+if TYPE_CHECKING:
+    # mypy reads each mixin as the DeepSpeed class it is put before (untyped: its attributes are Any); at run time a
+    # mixin subclasses nothing (docs/developing.md, "A new fix"). RecordsFlatOrder is put before every flattening
+    # wrapper and ZeRO-3's optimizer: their common base.
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer as _Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as _ZeroOptimizer
+else:
+    _Optimizer = _ZeroOptimizer = object
+
 ORDER_KEY = "safe_zero_flat_order"
 # ZeRO-1/2: per group, the parameter names in flat-buffer order.
 FLAT_NAMES_KEY = "safe_zero_flat_names"
@@ -53,19 +62,23 @@ _FLAT_STATE_KEYS = (("single_partition_of_fp32_groups", "base_optimizer_state"),
                     ("fp32_groups_flat", "optimizer_state_dict"))
 
 
+#: How a layout names its parameters: positions in the parameter group, or names.
+_Key = TypeVar("_Key", int, str)
+
+
 @dataclass(frozen=True)
-class FlatLayout:
+class FlatLayout(Generic[_Key]):
     """One flat group's layout: its parameters back to back in ``order`` (positions in the parameter group, or
     names), each ``numel[key]`` elements long."""
 
-    order: Sequence[Hashable]
-    numel: Mapping[Hashable, int]
+    order: Sequence[_Key]
+    numel: Mapping[_Key, int]
 
     @property
     def total(self) -> int:
         return sum(self.numel[key] for key in self.order)
 
-    def relaid(self, flat: torch.Tensor, to: FlatLayout) -> torch.Tensor:
+    def relaid(self, flat: torch.Tensor, to: FlatLayout[_Key]) -> torch.Tensor:
         """``flat`` (laid out as this layout, anything after it kept after it, such as padding) laid out as ``to``."""
         starts, at = {}, 0
         for key in self.order:
@@ -111,7 +124,7 @@ class FlatOrder:
         self.groups: int | None = None
 
 
-class RecordsFlatOrder:
+class RecordsFlatOrder(_Optimizer):
     """Checkpoints carry the flat order; one written in another order (stock's, say) is laid out again on load.
 
     The layouts differ by a permutation of whole parameters, so the flat master copy and every optimizer state of
@@ -165,7 +178,7 @@ class RecordsFlatOrder:
     @overrides
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         name = "state_dict_list" if "state_dict_list" in kwargs else "state_dict" if "state_dict" in kwargs else None
-        given = kwargs[name] if name else args[0] if args else None
+        given: Any = kwargs[name] if name else args[0] if args else None  # a state dict, or one per saved rank
         listed = isinstance(given, (list, tuple))
         states = list(given) if listed else [given]
         # DeepSpeed reads each rank's own file in full and leaves the other ranks' entries empty.
@@ -195,6 +208,7 @@ class RecordsFlatOrder:
         keys = next(k for k in _FLAT_STATE_KEYS if k[0] in state)
         theirs = _orders_by_group(state.get(ORDER_KEY), len(groups))
         ours = _orders_by_group(self._flat_order(), len(groups))
+        assert ours is not None  # this run's own record is a dict or None, both readable
         partitioned = keys[0] == "single_partition_of_fp32_groups"
         ranks = _ranks(getattr(self, "partition_count", 1)) if partitioned else 1
         counted = self._layout().groups
@@ -285,9 +299,9 @@ class RelaysByName(RecordsFlatOrder):
                     "pad": list(state[GROUP_PADDINGS])}
 
         if everyone:
-            saved = [lean(s) for s in states]
+            saved: list[Any] = [lean(s) for s in states]
         else:
-            saved = [None] * ranks
+            saved = [None] * ranks  # all_gather_object fills in each rank's
             dist.all_gather_object(saved, lean(own), group=group)
         numel = {self.param_names[p]: p.numel() for params in self.round_robin_bit16_groups for p in params}
         mine = self._flat_names()
@@ -383,7 +397,7 @@ class RelaysByName(RecordsFlatOrder):
         return FlatLayout(order, numel)
 
 
-class LoadsUnpaddedCheckpoints:
+class LoadsUnpaddedCheckpoints(_ZeroOptimizer):
     """Mixin for ``DeepSpeedZeroOptimizer`` with ``parameter_alignment`` (which safe_zero turns on for grouped_mm
     weights): resume a checkpoint written without it (stock's default), exactly.
 

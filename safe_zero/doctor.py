@@ -21,7 +21,7 @@ from torch import nn
 from safe_zero.versions import SUPPORTED, installed_version
 
 
-def _versions() -> dict[str, dict[str, str | None]]:
+def _versions() -> dict[str, dict[str, str | list[str] | None]]:
     """Per dependency: the installed release, the allowed range, the tested floor and newest (with the date the
     newest leg was last green on it where CI runs another, ``tested_ci``), and where the installed one stands
     (:meth:`safe_zero.versions.Supported.status`)."""
@@ -174,7 +174,8 @@ def _stdout_to_stderr() -> Iterator[None]:
             yield
     finally:
         # DeepSpeed's logger holds the original sys.stdout object: empty its buffer while fd 1 is stderr.
-        sys.__stdout__.flush()
+        if sys.__stdout__ is not None:  # None where Python runs without a console
+            sys.__stdout__.flush()
         os.dup2(saved, 1)
         os.close(saved)
 

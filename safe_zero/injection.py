@@ -248,7 +248,7 @@ def initialize_calling(inner: Callable[..., tuple], *args: Any, **kwargs: Any) -
     return result
 
 
-initialize.__signature__ = STOCK_SIGNATURE  # type: ignore[attr-defined]
+initialize.__signature__ = STOCK_SIGNATURE  # type: ignore[attr-defined]  # read by inspect.signature; untyped on functions
 
 
 def _installed_initialize(*args: Any, **kwargs: Any) -> tuple:

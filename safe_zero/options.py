@@ -187,7 +187,7 @@ def resolve_config(arguments: Mapping[str, Any]) -> dict[str, Any] | None:
 def pass_config(bound: inspect.BoundArguments, config: dict[str, Any]) -> None:
     """Make ``bound`` (``deepspeed.initialize``'s arguments) carry ``config`` by the route the caller used."""
     arguments = bound.arguments
-    args = arguments.get("args")
+    args: Any = arguments.get("args")  # the caller's argparse namespace, or any object with deepspeed_config
     if arguments.get("config") is None and arguments.get("config_params") is None and \
             getattr(args, "deepspeed_config", None) is not None:
         # DeepSpeed refuses a config both in args and in the call; a copy keeps the caller's args unchanged.

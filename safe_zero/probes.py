@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
 
 
 class ZeroSized(nn.Module):
@@ -35,11 +36,11 @@ class DropGrad(torch.autograd.Function):
     """``x * w.sum()`` that returns no gradient for ``w``, as FP-Quant's pseudo-quant kernel does for ``dqweight``."""
 
     @staticmethod
-    def forward(ctx, x, w):  # type: ignore[override]
+    def forward(ctx: FunctionCtx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * w.sum()
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -86,9 +87,9 @@ def init_single_process() -> None:
     if "MASTER_PORT" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            port = os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         # This process owns the group, so it owns the shm workspace DeepSpeed will leave behind.
-        atexit.register(lambda port=os.environ["MASTER_PORT"]: release_shm(deepspeed_shm_segments(port)))
+        atexit.register(lambda: release_shm(deepspeed_shm_segments(port)))
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     import deepspeed
@@ -118,7 +119,7 @@ def _step(engine: Any) -> None:
     engine.step()
 
 
-def _raises(fn: Callable[[], Any], *errors: type) -> bool:
+def _raises(fn: Callable[[], Any], *errors: type[BaseException]) -> bool:
     try:
         fn()
     except errors:

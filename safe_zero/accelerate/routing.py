@@ -90,7 +90,7 @@ def _routed_initialize(*args: Any, **kwargs: Any) -> tuple:
     return result
 
 
-_routed_initialize.__signature__ = STOCK_SIGNATURE  # type: ignore[attr-defined]
+_routed_initialize.__signature__ = STOCK_SIGNATURE  # type: ignore[attr-defined]  # read by inspect.signature; untyped on functions
 _routed_initialize.__doc__ = "deepspeed.initialize, routed through safe_zero when the config has a safe_zero block."
 chaining.register_route(_routed_initialize)
 

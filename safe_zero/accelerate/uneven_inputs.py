@@ -36,7 +36,7 @@ def join_uneven_inputs(self: Any, joinables: list[Any], even_batches: bool | Non
             yield
         return
     with contextlib.ExitStack() as stack:
-        klass = type(self)
+        klass: type = type(self)
         self.__class__ = _multi_device(klass)  # what Accelerate asks, once, before it opens the Join
         try:
             stack.enter_context(STOCK_JOIN_UNEVEN_INPUTS(self, joinables, even_batches=even_batches))
@@ -49,10 +49,10 @@ def install_join_uneven_inputs() -> None:
     """Bind :func:`join_uneven_inputs` as ``Accelerator.join_uneven_inputs`` (idempotent; on importing
     ``safe_zero.accelerate``). It differs from Accelerate's only for safe_zero's engines."""
     with LOCK:
-        Accelerator.join_uneven_inputs = join_uneven_inputs  # type: ignore[method-assign]
+        Accelerator.join_uneven_inputs = join_uneven_inputs
 
 
 def uninstall_join_uneven_inputs() -> None:
     """Accelerate's own ``join_uneven_inputs`` back. Idempotent."""
     with LOCK:
-        Accelerator.join_uneven_inputs = STOCK_JOIN_UNEVEN_INPUTS  # type: ignore[method-assign]
+        Accelerator.join_uneven_inputs = STOCK_JOIN_UNEVEN_INPUTS

@@ -22,6 +22,7 @@ DeepSpeed's gather.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -31,6 +32,13 @@ from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for, state_of
 
+if TYPE_CHECKING:
+    # mypy reads the mixin as the DeepSpeed class it is put before (untyped: its attributes are Any); at run time a
+    # mixin subclasses nothing (docs/developing.md, "A new fix").
+    from deepspeed.runtime.zero.partition_parameters import Init as _ZeroInit
+else:
+    _ZeroInit = object
+
 FIX = Fix(
     name="coalesced_gather_wait",
     summary="complete every all-gather of a blocking ZeRO-3 coalesced gather before it returns (CPU accelerator)",
@@ -39,7 +47,7 @@ FIX = Fix(
 )
 
 
-class WaitEveryCoalescedGather:
+class WaitEveryCoalescedGather(_ZeroInit):
     """Mixin for ``zero.Init``: its blocking coalesced gather, one parameter per call where handles are unordered."""
 
     @overrides

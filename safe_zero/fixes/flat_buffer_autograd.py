@@ -17,7 +17,7 @@ graph node; its storage, and so every parameter view of it, is unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -25,6 +25,13 @@ from packaging.specifiers import SpecifierSet
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
+
+if TYPE_CHECKING:
+    # mypy reads the mixin as the DeepSpeed class it is put before (untyped: its attributes are Any); at run time a
+    # mixin subclasses nothing (docs/developing.md, "A new fix").
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as _ZeroOptimizer
+else:
+    _ZeroOptimizer = object
 
 FIX = Fix(
     name="flat_buffer_autograd",
@@ -34,7 +41,7 @@ FIX = Fix(
 )
 
 
-class DetachFlatBuffers:
+class DetachFlatBuffers(_ZeroOptimizer):
     """Mixin for ``DeepSpeedZeroOptimizer``: detaches what its flatten helper returns.
 
     The helper also flattens gradients and checkpoint partitions; those carry no history, so

@@ -45,7 +45,7 @@ DeepSpeed < 0.19.8 packs parameters without any slack and is refused at initiali
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -56,7 +56,21 @@ from safe_zero.checkpoint_layout import RecordsFlatOrder, RelaysByName
 from safe_zero.errors import AlignmentError
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides, pass_through, stock_class
-from safe_zero.session import State, session_for, state_of
+from safe_zero.session import Session, State, session_for, state_of
+
+if TYPE_CHECKING:
+    # mypy reads each mixin as the DeepSpeed class it is put before (untyped: its attributes are Any); at run time a
+    # mixin subclasses nothing (docs/developing.md, "A new fix"). The flattening wrappers' mixins extend
+    # RecordsFlatOrder, read as their common base.
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as _Offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as _Coordinator
+
+    from safe_zero.zero_types import ZeROParameter
+else:
+    _Offload = _Coordinator = object
+
+#: A parameter, or (ZeRO-3) a partitioned one.
+_Param = TypeVar("_Param", bound=torch.Tensor)
 
 FIX = Fix(
     name="grouped_mm_alignment",
@@ -72,12 +86,12 @@ def _nbytes(param: torch.Tensor) -> int:
     return data.numel() * data.element_size()
 
 
-def _partition_nbytes(param: torch.Tensor) -> int:
+def _partition_nbytes(param: ZeROParameter) -> int:
     return param.partition_numel() * param.element_size()  # ZeRO-3: what the optimizer's flat buffer holds
 
 
-def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str,
-                   nbytes: Callable[[torch.Tensor], int] = _nbytes, keep_aligned: bool = True) -> list[int]:
+def _aligned_order(params: Sequence[_Param], plan: AlignmentPlan, route: str,
+                   nbytes: Callable[[_Param], int] = _nbytes, keep_aligned: bool = True) -> list[int]:
     """Positions of ``params`` in an order that puts every detected weight on the grid (raises if impossible);
     with ``keep_aligned``, the given order wherever it already does."""
     size = [nbytes(p) for p in params]
@@ -96,7 +110,7 @@ def _aligned_order(params: list[torch.Tensor], plan: AlignmentPlan, route: str,
     return whole + partial + [i for i in rest if i not in partial]
 
 
-def _stock_order_aligned(params: list[torch.Tensor], size: list[int], plan: AlignmentPlan) -> bool:
+def _stock_order_aligned(params: Sequence[torch.Tensor], size: list[int], plan: AlignmentPlan) -> bool:
     """Whether the stock order already starts every weight that needs the grid on it (with ``everything``: every
     parameter whose size is a whole number of 16-byte units)."""
     offset = 0
@@ -112,7 +126,7 @@ def _reorder(group: list[Any], order: list[int]) -> list[Any]:
     return [group[i] for i in order]
 
 
-def _wants(plan: AlignmentPlan, session: Any, params: list[torch.Tensor]) -> bool:
+def _wants(plan: AlignmentPlan, session: Session, params: Sequence[torch.Tensor]) -> bool:
     return plan.active and session.uses(FIX) and (plan.everything or any(plan.needs(p) for p in params))
 
 
@@ -229,7 +243,7 @@ class AlignStage3SubGroups(RecordsFlatOrder):
         return super()._create_fp16_sub_groups(params_group)
 
 
-class AlignAllReduceFetch:
+class AlignAllReduceFetch(_Offload):
     """Mixin for ``DeepSpeedZeRoOffload``: ``stage3_use_all_reduce_for_fetch_params`` gathers a module's
     parameters into one buffer at offsets that add up ``ds_numel_aligned`` (the size rounded to the world
     size), so a weight after a 3-element parameter lands 8 bytes off the grid. Rounding every
@@ -254,7 +268,7 @@ class AlignAllReduceFetch:
                 session.engaged(FIX, f"DeepSpeedZeRoOffload: {bumped} all-reduce fetch slot(s) rounded to 16 bytes")
 
 
-class GuardGatheredAlignment:
+class GuardGatheredAlignment(_Coordinator):
     """Mixin for ``PartitionedParameterCoordinator``: once a module's parameters are gathered, check the
     detected weights among them (the ZeRO-3 half of the ``alignment_guard``)."""
 
@@ -275,6 +289,7 @@ class GuardGatheredAlignment:
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         super().fetch_sub_module(current_submodule, forward)
         by_module = self._safe_zero.grouped_mm
+        assert by_module is not None  # set in __init__
         guarded = by_module.get(id(current_submodule))
         if guarded is None:
             guarded = by_module[id(current_submodule)] = self._guarded(current_submodule)

@@ -28,7 +28,7 @@ them, and every rank does the same, because ``ds_numel`` is the same on every ra
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, TypeGuard, cast
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -41,6 +41,18 @@ from safe_zero.fix import Fix
 from safe_zero.patching import overrides, pass_through, swapped
 from safe_zero.session import Session, State, session_for, state_of
 
+if TYPE_CHECKING:
+    # mypy reads each mixin as the DeepSpeed class it is put before (untyped: its attributes are Any); at run time a
+    # mixin subclasses nothing (docs/developing.md, "A new fix").
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as _Offload
+    from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer as _Quantizer
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as _Coordinator
+    from deepspeed.utils.zero_to_fp32 import GatheredTensor as _GatheredTensor
+
+    from safe_zero.zero_types import ZeROParameter
+else:
+    _Offload = _Coordinator = _Quantizer = _GatheredTensor = object
+
 FIX = Fix(
     name="zero3_zero_element_params",
     summary="make zero-element ZeRO-3 parameters available locally and keep them out of every collective",
@@ -51,18 +63,18 @@ FIX = Fix(
 _ADOPTED = "_safe_zero_zero_element_session"
 
 
-def is_zero_element(param: torch.nn.Parameter) -> bool:
+def is_zero_element(param: torch.nn.Parameter) -> TypeGuard[ZeROParameter]:
     """Whether ``param`` is a ZeRO-3 parameter whose full tensor has no elements."""
     return getattr(param, "ds_numel", None) == 0
 
 
-def _materialize(param: torch.nn.Parameter) -> None:
+def _materialize(param: ZeROParameter) -> None:
     # param.dtype survives partitioning (free_param keeps it) and is what the sized parameters are
     # handed back in, also when their stored partition is int8 (weight quantization).
     param.data = torch.empty(param.ds_shape, dtype=param.dtype, device=get_accelerator().current_device_name())
 
 
-def materialize_available(params: Iterable[torch.nn.Parameter]) -> int:
+def materialize_available(params: Iterable[ZeROParameter]) -> int:
     """Make the ``NOT_AVAILABLE`` zero-element parameters among ``params`` ``AVAILABLE``; return how many."""
     count = 0
     for param in params:
@@ -82,7 +94,7 @@ class _LocalHandle:
     handles disagree on positional arguments).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], sized: Any = None) -> None:
+    def __init__(self, params: list[ZeROParameter], sized: Any = None) -> None:
         self.params = params
         self.sized = sized
         self.complete = False
@@ -100,14 +112,15 @@ class _LocalHandle:
         self.complete = True
 
 
-def _split(params: Iterable[torch.nn.Parameter]) -> tuple[list, list]:
-    empty, sized = [], []
+def _split(params: Iterable[ZeROParameter]) -> tuple[list[ZeROParameter], list[ZeROParameter]]:
+    empty: list[ZeROParameter] = []
+    sized: list[ZeROParameter] = []
     for param in params:
         (empty if is_zero_element(param) else sized).append(param)
     return empty, sized
 
 
-def _wrap_all_gather(param: torch.nn.Parameter, session: Session) -> None:
+def _wrap_all_gather(param: ZeROParameter, session: Session) -> None:
     stock_all_gather = param.all_gather
     stock_all_gather_coalesced = param.all_gather_coalesced
 
@@ -123,7 +136,7 @@ def _wrap_all_gather(param: torch.nn.Parameter, session: Session) -> None:
         return [] if async_op else None
 
     @functools.wraps(stock_all_gather_coalesced)
-    def all_gather_coalesced(params: Iterable[torch.nn.Parameter], *args: Any, **kwargs: Any) -> Any:
+    def all_gather_coalesced(params: Iterable[ZeROParameter], *args: Any, **kwargs: Any) -> Any:
         params = list(params)
         empty, sized = _split(params)
         if not empty:
@@ -150,7 +163,7 @@ def adopt(params: Iterable[torch.nn.Parameter], session: Session) -> int:
     for param in params:
         if not hasattr(param, "ds_id") or getattr(param, _ADOPTED, None) is not None:
             continue
-        _wrap_all_gather(param, session)
+        _wrap_all_gather(cast("ZeROParameter", param), session)  # it has a ds_id: ZeRO-3 converted it
         setattr(param, _ADOPTED, session)
         count += 1
     return count
@@ -164,7 +177,7 @@ class ZeroElements:
 
     def __init__(self, adopt_each: bool = False) -> None:
         #: The coordinator: module id -> its zero-element parameters (fetches run per submodule per step: look once).
-        self.by_module: dict[int, tuple[torch.nn.Parameter, ...]] = {}
+        self.by_module: dict[int, tuple[ZeROParameter, ...]] = {}
         #: The coordinator: whether the session was told that a fetch made some available.
         self.reported = False
         #: ``safe_zero.Init``: whether each parameter is adopted as it is converted (not those of a module given
@@ -172,7 +185,7 @@ class ZeroElements:
         self.adopt_each = adopt_each
 
 
-class MaterializeZeroElementOnFetch:
+class MaterializeZeroElementOnFetch(_Coordinator):
     """Mixin for ``PartitionedParameterCoordinator``: empty parameters are made available before the stock fetch.
 
     DeepSpeed's ``fetch_sub_module`` then sees them ``AVAILABLE``: they add nothing to its
@@ -192,6 +205,7 @@ class MaterializeZeroElementOnFetch:
     @overrides
     def fetch_sub_module(self, current_submodule: torch.nn.Module, forward: bool) -> None:
         part = self._safe_zero.zero_element
+        assert part is not None  # set in __init__
         empty = part.by_module.get(id(current_submodule))
         if empty is None:
             empty = part.by_module[id(current_submodule)] = self._zero_element_params(current_submodule)
@@ -200,14 +214,14 @@ class MaterializeZeroElementOnFetch:
             session_for(self).engaged(FIX, "zero-element parameters made available at fetch without a collective")
         super().fetch_sub_module(current_submodule, forward)
 
-    def _zero_element_params(self, module: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
+    def _zero_element_params(self, module: torch.nn.Module) -> tuple[ZeROParameter, ...]:
         """The parameters of ``module`` the stock fetch would leave ``NOT_AVAILABLE`` (none when the fix is off)."""
         if not session_for(self).uses(FIX):
             return ()
         return tuple(p for p in iter_params(module, recurse=z3_leaf_module(module)) if is_zero_element(p))
 
 
-class AdoptZeroElementParams:
+class AdoptZeroElementParams(_Offload):
     """Mixin for ``DeepSpeedZeRoOffload``: adopt the parameters once DeepSpeed has converted them.
 
     Runs before the first forward, checkpoint load or ``GatheredParameters`` on the engine.
@@ -227,7 +241,7 @@ class AdoptZeroElementParams:
             pass_through(self.get_param_coordinator(), "fetch_sub_module", MaterializeZeroElementOnFetch)
 
 
-class GuardEmptyQuantize:
+class GuardEmptyQuantize(_Quantizer):
     """Mixin for ``CUDAQuantizer``: an empty partition quantizes to empty tensors.
 
     DeepSpeed's group-size search divides by the group count, which is 0 for an empty input
@@ -261,7 +275,7 @@ class SafeCUDAQuantizer(GuardEmptyQuantize, CUDAQuantizer):
     """DeepSpeed's ZeRO-3 weight quantizer with the empty-partition guard."""
 
 
-class GuardEmptyGatheredTensor:
+class GuardEmptyGatheredTensor(_GatheredTensor):
     """Mixin for ``zero_to_fp32.GatheredTensor``: a zero-element parameter merges to an empty tensor of its shape.
 
     Before 0.19.8 the ZeRO-3 optimizer keeps zero-element trainable parameters in its groups,

@@ -20,7 +20,7 @@ its real shape, from the module state saved beside it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -28,6 +28,13 @@ from packaging.specifiers import SpecifierSet
 from safe_zero.fix import Fix
 from safe_zero.patching import overrides
 from safe_zero.session import session_for
+
+if TYPE_CHECKING:
+    # mypy reads the mixin as the DeepSpeed class it is put before (untyped: its attributes are Any): here the common
+    # base of the flattening wrappers. At run time a mixin subclasses nothing (docs/developing.md, "A new fix").
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer as _Optimizer
+else:
+    _Optimizer = object
 
 FIX = Fix(
     name="zero_element_groups",
@@ -39,16 +46,16 @@ FIX = Fix(
 
 def drop_zero_element_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     """Remove zero-element trainable parameters from ``optimizer``'s groups; return them."""
-    dropped = []
+    dropped: list[torch.nn.Parameter] = []
     for group in optimizer.param_groups:
-        kept = []
+        kept: list[torch.nn.Parameter] = []
         for param in group["params"]:
             (dropped if param.requires_grad and param.numel() == 0 else kept).append(param)
         group["params"] = kept
     return dropped
 
 
-class ExcludeZeroElementParams:
+class ExcludeZeroElementParams(_Optimizer):
     """Mixin for the flattening wrappers: filters the groups before DeepSpeed flattens them."""
 
     @overrides

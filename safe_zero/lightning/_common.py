@@ -19,7 +19,7 @@ import copy
 import importlib.metadata
 import inspect
 import warnings
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -64,10 +64,45 @@ def require_safe_engine(engine: Any) -> Any:
     return engine
 
 
-class _SafeStrategyBase:
+if TYPE_CHECKING:
+    class _LightningStrategy:
+        """What the mixins use of the Lightning ``DeepSpeedStrategy`` they are put before, in either API's class tree:
+        mypy reads them as its subclasses; at run time they subclass nothing."""
+
+        config: dict[str, Any] | None
+        parallel_devices: list[torch.device] | None
+        root_device: torch.device
+        accelerator: Any  # the API's Accelerator
+        local_rank: int
+
+        def setup_environment(self) -> None: ...
+
+        def _load_config(self, config: Any) -> dict[str, Any] | None: ...
+
+        def _create_default_config(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+        # The Trainer's (TrainerStrategyMixin)
+        model: Any
+
+        def setup_distributed(self) -> None: ...
+
+        def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]: ...
+
+        def _initialize_deepspeed_inference(self, *args: Any, **kwargs: Any) -> None: ...
+
+        # Fabric's (FabricStrategyMixin)
+        def _setup_distributed(self) -> None: ...
+
+        def _initialize_engine(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]: ...
+else:
+    _LightningStrategy = object
+
+
+class _SafeStrategyBase(_LightningStrategy):
     """Behaviour common to the Trainer and Fabric strategies; documented on the concrete classes."""
 
-    _lightning_strategy: type  # Lightning's DeepSpeedStrategy of the same class tree
+    INITIALIZE_METHODS: tuple[str, ...]  # the Lightning methods that call deepspeed.initialize
+    _lightning_strategy: type[Any]  # Lightning's DeepSpeedStrategy of the same class tree
     _precision_attribute: str  # where the Trainer ("precision_plugin") or Fabric ("precision") keeps its plugin
 
     def setup_environment(self) -> None:
@@ -75,7 +110,7 @@ class _SafeStrategyBase:
             self._check_cpu(getattr(self, self._precision_attribute))
             self._setup_environment_without_cuda_check()
         else:
-            super().setup_environment()  # type: ignore[misc]
+            super().setup_environment()
 
     def _runs_on_cpu(self) -> bool:
         if self.parallel_devices:
@@ -131,7 +166,7 @@ class _SafeStrategyBase:
         without one, and the block is added to it (:meth:`_create_default_config`). This is what lets a
         LightningCLI yaml give ``stage``, offload and safe_zero's options side by side.
         """
-        loaded = super()._load_config(config)  # type: ignore[misc]
+        loaded = super()._load_config(config)
         self._safe_zero_options_only = None
         if isinstance(loaded, dict) and set(loaded) == {CONFIG_KEY}:
             from safe_zero.options import SafeZeroOptions
@@ -142,7 +177,7 @@ class _SafeStrategyBase:
         return loaded
 
     def _create_default_config(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        config = super()._create_default_config(*args, **kwargs)  # type: ignore[misc]
+        config = super()._create_default_config(*args, **kwargs)
         if getattr(self, "_safe_zero_options_only", None) is not None:
             config[CONFIG_KEY] = self._safe_zero_options_only
         return config
@@ -182,6 +217,7 @@ class _SafeStrategyBase:
         no index, so the check refuses every CPU run.
         """
         devices = self.parallel_devices
+        assert devices is not None  # setup_environment refused a strategy without them
         self.parallel_devices = [torch.device("cpu", i) for i in range(len(devices))]
         try:
             yield
@@ -196,7 +232,7 @@ class _SafeStrategyBase:
                 "Trainer/Fabric set them from devices=...; a strategy used on its own needs "
                 "parallel_devices=[torch.device('cpu')] * number_of_processes.")
         # Lightning's DeepSpeedStrategy.setup_environment only refuses non-CUDA accelerators, then defers upward.
-        super(self._lightning_strategy, self).setup_environment()  # type: ignore[misc]
+        super(self._lightning_strategy, self).setup_environment()
 
     # registry -----------------------------------------------------------------------------------------------------
 
@@ -310,22 +346,25 @@ _UNDOCUMENTED_BY_LIGHTNING = {
 }
 
 
-def safe_twin_of(lightning_strategy: type, **doc_fields: str) -> Callable[[type], type]:
+_Safe = TypeVar("_Safe", bound=_SafeStrategyBase)
+
+
+def safe_twin_of(lightning_strategy: type, **doc_fields: str) -> Callable[[type[_Safe]], type[_Safe]]:
     """Class decorator of a safe strategy: checks that this Lightning fits, names its Lightning class, documents it.
 
     ``doc_fields`` fill the docstring's intro (``api``, ``example``, ``instance``, ``path``).
     """
 
-    def define(cls: type) -> type:
-        check_lightning_fits(lightning_strategy, cls.INITIALIZE_METHODS)  # type: ignore[attr-defined]
-        cls._lightning_strategy = lightning_strategy  # type: ignore[attr-defined]
+    def define(cls: type[_Safe]) -> type[_Safe]:
+        check_lightning_fits(lightning_strategy, cls.INITIALIZE_METHODS)
+        cls._lightning_strategy = lightning_strategy
         cls.__doc__ = compose_docstring(lightning_strategy, **doc_fields)
         return cls
 
     return define
 
 
-def compose_docstring(lightning_strategy: type, **fields: str) -> str:
+def compose_docstring(lightning_strategy: type[Any], **fields: str) -> str:
     """The class docstring: safe_zero's part, then the documentation of every argument of Lightning's constructor."""
     lightning_doc = inspect.cleandoc(lightning_strategy.__init__.__doc__ or "")
     marker = next((m for m in ("Arguments:", "Args:") if m in lightning_doc), None)

@@ -60,7 +60,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 exec_module(module)
                 register(fullname)
 
-            loader.exec_module = exec_then_register
+            loader.exec_module = exec_then_register  # type: ignore[method-assign]  # this one loader's, as above
         return spec
 
 
