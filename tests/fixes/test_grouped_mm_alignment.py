@@ -16,7 +16,7 @@ from rig import RankFailure
 from safe_zero._compat import DEEPSPEED_VERSION
 from tests.support.grouped_mm import BF16_OPTIMIZER_REACHABLE
 from tests.support.models import (OddExperts, TinyGptOss, batches, build, cpu_fused_adam, ds_config,
-                                  skip_without_grouped_mm_transformers)
+                                  skip_without_grouped_mm, skip_without_grouped_mm_transformers)
 
 ROUTES = {
     "zero1": ("DeepSpeedZeroOptimizer", dict(stage=1)),
@@ -162,6 +162,8 @@ def test_grouped_mm_weights_stay_aligned_zero_copy_and_resume(ranks, tmp_path, m
     _skip_unreachable(route)
     if model_name == "gpt_oss":
         skip_without_grouped_mm_transformers()
+    else:
+        skip_without_grouped_mm()
     ckpt = str(tmp_path / "ckpt")
     # Four engines per body (stock, unpadded, safe, resumed): allow for a loaded machine.
     results = ranks.run(world_size, _route_body, model_name=model_name, route=route, ckpt=ckpt, timeout=600)
@@ -221,6 +223,7 @@ def _opt_out_body(route: str) -> dict:
 
 
 def test_alignment_false_is_respected_with_a_warning(ranks):
+    skip_without_grouped_mm()
     r, = ranks.run(1, _opt_out_body, route=OWN_ROUTE)
     assert r["offsets"] == {"experts": 6}
     assert len(r["warned"]) == 1 and "experts" in r["warned"][0] and "expected data_ptr" in r["warned"][0]
@@ -282,6 +285,11 @@ def _zero3_engine(path: str, safe: bool):
     return engine, seen
 
 
+def _zero3_init_body(path: str) -> str:
+    _zero3_engine(path, safe=True)
+    return "built"
+
+
 def _zero3_state(engine) -> dict[str, torch.Tensor]:
     import deepspeed
 
@@ -329,8 +337,9 @@ def test_zero3_gathered_grouped_mm_weights_are_aligned(ranks, tmp_path, world_si
     if path == "all_reduce" and _tight_all_reduce_fetch():  # < 0.19.8: refused at initialize, see below
         with pytest.raises(RankFailure, match=r"AlignmentError: stage3_use_all_reduce_for_fetch_params on DeepSpeed "
                                               r"< 0\.19\.8 .*experts.*Turn stage3_use_all_reduce_for_fetch_params off"):
-            ranks.run(world_size, _zero3_body, path=path, ckpt=str(tmp_path / "ckpt"))
+            ranks.run(world_size, _zero3_init_body, path=path)
         return
+    skip_without_grouped_mm()
     results = ranks.run(world_size, _zero3_body, path=path, ckpt=str(tmp_path / "ckpt"), timeout=600)
     for r in results:
         assert len(r["stock_seen"]) == 3 and len(r["safe_seen"]) == 3
@@ -414,6 +423,7 @@ def _stock_checkpoint_body(route: str, ckpt: str) -> dict:
 def test_a_stock_checkpoint_is_laid_out_again_not_loaded_onto_the_wrong_parameters(ranks, tmp_path, route):
     # Same buffer size, other order: DeepSpeed alone would copy the master weights and Adam state across silently.
     _skip_unreachable(route)
+    skip_without_grouped_mm()
     r, = ranks.run(1, _stock_checkpoint_body, route=route, ckpt=str(tmp_path / "ckpt"))
     assert r["reordered"], "the safe_zero run must lay the buffer out in its own order for this test to mean anything"
     # Two steps after the load, as stock's own resume takes them: the second one reads the restored optimizer state.

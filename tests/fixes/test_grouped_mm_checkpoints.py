@@ -18,7 +18,7 @@ import torch
 from safe_zero._compat import DEEPSPEED_PADS_PARAMETERS
 from tests.support.grouped_mm import (BF16_OPTIMIZER_REACHABLE, ZERO12, build_engine, gathered_values, route_config,
                                       train_recording, zero12_config)
-from tests.support.models import skip_without_grouped_mm_transformers
+from tests.support.models import skip_without_grouped_mm, skip_without_grouped_mm_transformers
 
 ROUTES = ["stage1", "stage2", "bf16_optimizer"]
 
@@ -97,6 +97,8 @@ REORDERED = {("gpt_oss", "bf16_optimizer"), ("odd", "stage3")}
 def test_grouped_mm_checkpoints_move_between_stock_and_safe_zero(ranks, tmp_path, layout, route, world_size):
     if layout != "odd":
         skip_without_grouped_mm_transformers()
+    else:
+        skip_without_grouped_mm()
     if route == "bf16_optimizer":
         if not BF16_OPTIMIZER_REACHABLE:
             pytest.skip("this DeepSpeed has no BF16_Optimizer route")
@@ -223,6 +225,7 @@ def _zero12_move_body(case: str, ckpt: str) -> dict:
 @pytest.mark.parametrize("case", list(ZERO12))
 def test_zero12_checkpoints_of_a_misaligned_layout_move_or_are_refused_with_the_universal_command(
         ranks, tmp_path, case):
+    skip_without_grouped_mm()
     # One rank: stock ZeRO-1/2 does not train at two CPU ranks on DeepSpeed 0.18.7-0.18.x (flat_buffer_autograd).
     (r,) = ranks.run(1, _zero12_move_body, case=case, ckpt=str(tmp_path), timeout=600)
     assert set(r["stock_seen"]) - {0}, r["stock_seen"]  # red on stock: the expert weight is off the grid
@@ -298,6 +301,7 @@ def _strip_flat_names(ckpt: str, tag: str) -> None:
 def test_zero12_safe_zero_checkpoints_resume_in_another_flat_order_at_two_ranks(ranks, tmp_path, case):
     if DEEPSPEED_PADS_PARAMETERS:
         pytest.skip("DeepSpeed >= 0.19.7 pads instead (parameter_alignment); safe_zero does not reorder ZeRO-1/2")
+    skip_without_grouped_mm()
     for r in ranks.run(2, _zero12_orders_body, case=case, ckpt=str(tmp_path), timeout=600):
         assert r["reordered_True"] and not r["reordered_False"], r
         for alignment in (False, True):  # resumed in this layout from the other one

@@ -16,7 +16,8 @@ import torch
 
 from tests.support.grouped_mm import (BF16_OPTIMIZER_REACHABLE, LAYOUTS, ROUTES, build_engine, gathered_values,
                                       route_config, train_recording)
-from tests.support.models import OddExperts, ds_config, grouped_mm_transformers, skip_without_grouped_mm_transformers
+from tests.support.models import (OddExperts, ds_config, grouped_mm_transformers, skip_without_grouped_mm,
+                                  skip_without_grouped_mm_transformers)
 
 # ZeRO-3 fetch paths: the ordinary fetch with coalesced fetches of several experts (a small prefetch bucket and no
 # persistent parameters), and the all-reduce fetch.
@@ -171,6 +172,7 @@ if FULL:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_whenever_stock_trains_safe_zero_trains_aligned(ranks, world_size):
+    skip_without_grouped_mm()  # every world size's cells include OddExperts
     cells = [(layout, route) for layout, route in STAGE_CELLS[world_size]
              if layout in ("odd", "unmarked") or grouped_mm_transformers()]
     results = ranks.run(world_size, _stage_cells, cells=cells, timeout=900)
@@ -221,6 +223,7 @@ def test_parameter_alignment_true_is_honoured_on_the_bf16_optimizer_route(ranks)
 
     if not DEEPSPEED_PADS_PARAMETERS:
         pytest.skip("zero_optimization.parameter_alignment is new in DeepSpeed 0.19.7")
+    skip_without_grouped_mm()
     stock, = ranks.run(1, _parameter_alignment_body, safe=False)
     safe, = ranks.run(1, _parameter_alignment_body, safe=True)
     # Red on stock: DeepSpeed ignores the flag on BF16_Optimizer and the weight lands 6 bytes off the grid.

@@ -127,11 +127,25 @@ def build(model_cls: type, seed: int = 0) -> nn.Module:
     return model_cls()
 
 
+#: ``torch.nn.functional.grouped_mm``, which :class:`OddExperts`' forward calls, is in torch from 2.10 (2.8 and 2.9
+#: have the private ``torch._grouped_mm`` only, 2.4-2.7 neither).
+HAS_GROUPED_MM = hasattr(torch.nn.functional, "grouped_mm")
+NO_GROUPED_MM = "needs torch.nn.functional.grouped_mm (torch >= 2.10), which OddExperts' forward calls"
+
+
+def skip_without_grouped_mm() -> None:
+    """Skip a test that runs :class:`OddExperts`' forward where torch has no ``F.grouped_mm``."""
+    import pytest
+
+    if not HAS_GROUPED_MM:
+        pytest.skip(NO_GROUPED_MM)
+
+
 class OddExperts(nn.Module):
     """An odd-numel parameter ahead of a 3-D expert weight marked grouped_mm (the hand-made misaligned layout).
 
     ``odd`` is 3 bf16 elements (6 bytes), so in a flat buffer ``experts`` starts 6 bytes off the 16-byte grid.
-    The forward calls ``F.grouped_mm`` on it, one token per expert.
+    The forward calls ``F.grouped_mm`` on it, one token per expert (:func:`skip_without_grouped_mm`).
     """
 
     def __init__(self) -> None:
