@@ -182,7 +182,8 @@ def _loss_of(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output.sum()
     values = output.values() if isinstance(output, dict) else output
-    return sum(v.sum() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())  # type: ignore
+    # sum() starts at 0: an int only where the output holds no floating-point tensor (then there is nothing to train)
+    return sum(v.sum() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
