@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from tests.accelerate.launch import accelerate_launch, by_phase  # noqa: E402
+from tests.support.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT  # noqa: E402
 from tests.support.models import build  # noqa: E402
 from tests.support.rank_dependent import (LR, MODELS, STEPS,  # noqa: E402
                                           assert_trained_on_its_batches_as_the_reference, dealt_rows,
@@ -31,6 +32,7 @@ SCRIPT = "tests/accelerate/trainer_script.py"
 # Which ZeRO-3 defect the tiny Llama hits first: the grad-less dqweight in backward, or a
 # zero-sized placeholder in an all-gather.
 STOCK_ERRORS = ("'NoneType' object has no attribute 'numel'", "'status': 'NOT_AVAILABLE', 'numel': 0")
+ENGAGED = {"zero3_zero_element_params"} | ({"gradless_params"} if HOOK_RUNS_WITHOUT_A_GRADIENT else set())
 
 
 def check_trained(records: list[dict], world: int) -> None:
@@ -43,7 +45,8 @@ def check_trained(records: list[dict], world: int) -> None:
         assert losses[-1] < losses[0] and all(b < a for a, b in zip(losses, losses[1:])), losses
         assert r["placeholder_shapes"] == [[0], [0]], "FP-Quant's placeholders keep their (0,) shape"
         assert r["dq_unchanged"], "dqweight never gets a gradient and must keep its value"
-        assert {"gradless_params", "zero3_zero_element_params"} <= set(r["engaged"]), r["engaged"]
+        # gradless_params acts in dqweight's gradient hook, which torch 2.4-2.6 never calls at one process.
+        assert ENGAGED <= set(r["engaged"]), r["engaged"]
     assert all(r["losses"] == records[0]["losses"] for r in records)
 
 
@@ -52,7 +55,10 @@ def test_trainer_one_process_stock_fails_config_route_trains():
     records, _ = accelerate_launch("--config_file", "examples/accelerate/zero3.yaml", "--num_processes", "1",
                                    SCRIPT, "stock-then-import")
     (stock,) = by_phase(records, "stock", 1)
-    assert any(e in stock["error"] for e in STOCK_ERRORS), stock
+    if HOOK_RUNS_WITHOUT_A_GRADIENT:
+        assert any(e in stock["error"] for e in STOCK_ERRORS), stock
+    else:  # no hook for dqweight's None gradient, and one process gathers no placeholder: stock trains
+        assert stock["error"] is None, stock
     check_trained(by_phase(records, "safe", 1), world=1)
 
 

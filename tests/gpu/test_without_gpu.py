@@ -315,6 +315,10 @@ def test_ddp_exact_fails_where_it_should():
 def test_grouped_mm_legs_on_cpu_with_cudas_alignment_check(ranks):
     """The real legs, CPU kernel behind CUDA's data_ptr check: stock ZeRO-2 and ZeRO-3 (one rank) are refused,
     safe_zero trains aligned; the same records with stock and safe_zero swapped fail the claim."""
+    import torch
+
+    if not hasattr(torch.nn.functional, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no grouped_mm kernel (neither F.grouped_mm nor torch._grouped_mm: before 2.8)")
     from tests.gpu import legs as bodies
 
     routes = ["zero2", "zero3"]

@@ -26,6 +26,9 @@ from transformers.models.auto.modeling_auto import (
 
 #: The multimodal-LM mapping (audio, speech and omni models too); transformers before it (the floor, 4.50) has none.
 MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES = getattr(modeling_auto, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {})
+#: Why the zoo's tests skip on such a transformers: the architectures they name, the ``dtype=`` they build with and the
+#: mapping they discover from are a newer transformers' (CI's).
+NO_ZOO = "the zoo's tests name the architectures of a transformers with the multimodal-LM mapping; this one has none"
 
 KINDS = ("vlm", "moe_vlm", "moe_lm", "alm")
 #: The kinds whose batches carry a modality (an image, or an audio clip for "alm") on some ranks and not others.

@@ -11,6 +11,8 @@ pytest.importorskip("transformers")
 from tests.zoo.architectures import (
     DISCRETE_IMAGE_TOKENS,
     KINDS,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+    NO_ZOO,
     Architecture,
     Unbuildable,
     batch,
@@ -20,6 +22,8 @@ from tests.zoo.architectures import (
     takes_video,
     vision_tower,
 )
+
+pytestmark = pytest.mark.skipif(not MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, reason=NO_ZOO)
 
 # The families the zoo must build: the VLMs people fine-tune under ZeRO.
 PRIORITY = (

@@ -16,8 +16,10 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from tests.zoo.architectures import Architecture  # noqa: E402
+from tests.zoo.architectures import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, NO_ZOO, Architecture  # noqa: E402
 from tests.zoo.rows import EPS, LR, TOLERANCE, _batches, ds_config, max_difference, reference, steps  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, reason=NO_ZOO)
 
 VLM = Architecture("qwen2_5_vl", "vlm")
 PATTERN = "rotating"

@@ -12,8 +12,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.zoo.architectures import Architecture, discover  # noqa: E402
+from tests.zoo.architectures import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, NO_ZOO, Architecture, discover  # noqa: E402
 from tests.zoo.rows import REMOTE, patterns, reference, remote_architectures, run_row  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, reason=NO_ZOO)
 
 #: The vision-language families of the zoo's first run (issue 40): 12 of them aborted at ZeRO-3 with safe_zero before
 #: a parameter read outside its module's entry was agreed on (``AgreesBeforeReadingAParameter``), all 18 on stock.
