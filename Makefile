@@ -60,11 +60,11 @@ dist:
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m safe_zero demo
 
-# The legacy venv (and its JIT-built comm op) installs, then `make dist` runs, while the main leg runs: the tests
-# leave a core idle about a third of the time.
+# The legacy leg (its venv and JIT-built comm op first) and then `make dist` run beside the main leg: a leg leaves a
+# core idle about a third of the time (its ranks wait on each other), and the two legs' ranks use separate ports and
+# shm workspaces. Each target's output is printed whole when it ends.
 test: lint
-	$(MAKE) -j2 test-main $(VENV_LEGACY)/.installed dist
-	$(MAKE) test-legacy
+	$(MAKE) -j2 --output-sync=target test-main test-legacy dist
 
 # ruff (pycodestyle, pyflakes, complexity <= 10) and mypy over all of safe_zero/; settings in pyproject.toml.
 lint: $(VENV)/.installed

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rig import RankFailure
+from tests.support.bodies import HOOK_RUNS_WITHOUT_A_GRADIENT
 from tests.support.models import Gradless, build, ds_config, train
 
 
@@ -34,6 +35,12 @@ STOCK_ERRORS = {2: "'NoneType' object has no attribute", 3: "'NoneType' object h
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_stock_deepspeed_crashes_on_a_gradless_parameter(ranks, stage, world_size):
+    if not HOOK_RUNS_WITHOUT_A_GRADIENT:
+        # torch 2.4-2.6 runs no gradient hook for a None gradient: stock never reaches it, and trains the rest with
+        # the parameter unchanged (its losses are not compared: stock ZeRO-3 on such a torch once gave one rank inf)
+        for r in ranks.run(world_size, _train_gradless, stage=stage, safe=False, world_size=world_size):
+            assert r["unchanged"] and len(r["losses"]) == 3
+        return
     with pytest.raises(RankFailure, match=STOCK_ERRORS[stage]):
         ranks.run(world_size, _train_gradless, stage=stage, safe=False, world_size=world_size)
 
