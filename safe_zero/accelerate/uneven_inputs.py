@@ -25,7 +25,10 @@ def joins_engines(accelerator: Any, joinables: list[Any]) -> bool:
 
 @functools.cache
 def _multi_device(klass: type) -> type:
-    return type(klass.__name__, (klass,), {"multi_device": property(lambda self: True), "__module__": klass.__module__})
+    # Accelerate 1.10+ asks ``multi_device``; before (no such property), whether ``distributed_type`` is multi-device
+    answer = ({"multi_device": property(lambda self: True)} if hasattr(klass, "multi_device")
+              else {"distributed_type": property(lambda self: DistributedType.MULTI_GPU)})
+    return type(klass.__name__, (klass,), {**answer, "__module__": klass.__module__})
 
 
 @contextlib.contextmanager
