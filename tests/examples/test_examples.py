@@ -216,5 +216,8 @@ def test_vlm_tower_stock_fails(tmp_path: Path) -> None:
     """The same run on stock DeepSpeed: the rank with the image gathers the tower, the other the language model's
     next layer, and gloo stops on the size mismatch."""
     output = trainer_launch("vlm_tower/train_hf_trainer.py", tmp_path, "--stock", fails=True, timeout=240)
-    assert "Is there a distributed collective mismatch" in output, output[-4000:]
+    # gloo raises the mismatch; the gloo of torch 2.4 instead aborts the receiving process on its size check
+    # (printed before the abort), and its peer then reads "Connection reset by peer", which alone proves nothing.
+    assert re.search(r"Is there a distributed collective mismatch|op\.preamble\.length <= op\.nbytes", output), \
+        output[-4000:]
     assert "safe_zero engaged" not in output
