@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import bodies
 from safe_zero._compat import DEEPSPEED_VERSION
-from safe_zero.fixes import flat_buffer_autograd
+from safe_zero.fixes import flat_buffer_autograd, zero_element_groups
 from tests.support.models import skip_without_grouped_mm_transformers
 
 # Counted on the main leg's DeepSpeed (another release makes other collectives and calls).
@@ -86,9 +86,13 @@ def test_all_gathers_per_zero3_step_equal_with_and_without_empty_submodules(rank
         steps = ranks.run(WORLD, bodies.collectives_per_step, stage=3, safe=True, model="with_empty", tensors=k)[0]
         return [{name: n for name, n in step.items() if name.startswith(ALL_GATHERS)} for step in steps]
 
-    without = gathers(0)
-    assert gathers(4) == without
+    without, with_empty = gathers(0), gathers(4)
     assert all(step for step in without)
+    if zero_element_groups.FIX.needed(DEEPSPEED_VERSION):
+        # Before 0.19.8 (is_optimized_parameter) DeepSpeed's ZeRO-3 optimizer holds the K zero-element parameters, so
+        # gradless_params' first-step order agreement carries each one's place and clock: 2 int32 from each rank.
+        with_empty[0]["all_gather_bytes"] -= 4 * 2 * 4 * WORLD
+    assert with_empty == without
 
 
 # ------------------------------------------------------------------------------------------ the scaled models
