@@ -74,7 +74,7 @@ class Supported:
 #: One row per dependency safe_zero integrates with; the README's "Supported versions" table shows the same.
 SUPPORTED: dict[str, Supported] = {s.distribution: s for s in (
     # CI pins the CPU wheel on this disk; the newest leg runs the newest torch PyPI serves (a CUDA build, on CPU).
-    Supported("torch", SpecifierSet(">=2.4.1"), floor="2.4.1", newest="2.15.0", floor_tested=False, ci="2.13.0",
+    Supported("torch", SpecifierSet(">=2.4.1"), floor="2.4.1", newest="2.15.0", ci="2.13.0",
               newest_green_on="2026-12-05"),
     # DeepSpeed internals are subclassed; each minor release is checked by `make matrix` before it is allowed.
     # 0.18.0-0.18.2 lack the optimizer's enter_backward, which gradless_params extends (refused at import).

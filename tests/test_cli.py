@@ -48,8 +48,8 @@ def test_doctor_probes_agree_with_the_declared_versions_and_reads_a_model():
     assert deepspeed_row["installed"] == str(DEEPSPEED_VERSION)
     assert deepspeed_row["status"] in ("tested", "within the tested range"), deepspeed_row
     torch_row = report["versions"]["torch"]
-    # The floor leg is not green at torch's floor yet (docs/versions.md): doctor does not call it tested.
-    assert torch_row["tested_floor"] is None
+    # The floor leg is green at torch's floor (docs/versions.md): doctor calls it tested.
+    assert torch_row["tested_floor"] == SUPPORTED["torch"].floor == "2.4.1"
     assert (torch_row["tested_ci"], torch_row["tested_newest"], torch_row["newest_green_on"],
             torch_row["spot_checked"]) == (SUPPORTED["torch"].ci, SUPPORTED["torch"].newest,
                                            SUPPORTED["torch"].newest_green_on, list(SUPPORTED["torch"].spot_checked))
