@@ -3,7 +3,6 @@ posts, leaves and meets as its engine would. The real-rank runs are in ``tests/t
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Callable
 
@@ -11,6 +10,7 @@ import pytest
 from torch.distributed import HashStore
 
 from safe_zero.rank_progress import RankProgress, UnevenInputsError
+from tests.support.threads import on_threads
 
 
 class CountingStore(HashStore):
@@ -31,25 +31,6 @@ class CountingStore(HashStore):
 
 def progress(store: Any, world: int, timeout: float = 10.0, slots: int = 3) -> list[RankProgress]:
     return [RankProgress(store, rank, world, "engine0", slots=slots, timeout=timeout) for rank in range(world)]
-
-
-def on_threads(*actions: Callable[[], Any]) -> list[Any]:
-    """Run each rank's actions on its own thread; each rank's result, or the exception it raised."""
-    results: list[Any] = [None] * len(actions)
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = actions[rank]()
-        except Exception as error:  # noqa: BLE001 - the replay compares each rank's outcome
-            results[rank] = error
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(actions))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank still waits"
-    return results
 
 
 def steps(rank: RankProgress, count: int, then: Callable[[], Any]) -> Callable[[], Any]:

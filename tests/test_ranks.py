@@ -4,7 +4,6 @@ in the store (the module order's meetings and the rank progress share it) and me
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as torch_dist
 
 from safe_zero.ranks import Hang, ProcessGroupRanks, ReplayWorld
 from safe_zero.session import Session
+from tests.support.threads import on_threads
 
 
 def _engines_and_meetings() -> dict[str, Any]:
@@ -46,28 +46,11 @@ def test_a_process_group_ranks_object_is_what_a_session_makes():
     assert isinstance(Session().ranks, ProcessGroupRanks)
 
 
-def _on_threads(world: ReplayWorld, *bodies: Any) -> list[Any]:
-    results: list[Any] = [None] * len(bodies)
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = bodies[rank](world.rank(rank))
-        except Exception as error:  # noqa: BLE001  (each rank's outcome is the result)
-            results[rank] = error
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(bodies))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=10)
-    return results
-
-
 def test_replayed_ranks_gather_reduce_and_meet_as_real_ones():
     world = ReplayWorld(2)
-    results = _on_threads(world, *[lambda r: (r.all_gather(None, [r.rank], bits=8),
+    results = on_threads(*[lambda r=world.rank(rank): (r.all_gather(None, [r.rank], bits=8),
                                                r.all_reduce_min(None, [True, r.rank == 1]).result(),
-                                               r.meet(None, "k", 5 + r.rank, timeout=1)) for _ in range(2)])
+                                               r.meet(None, "k", 5 + r.rank, timeout=1)) for rank in range(2)])
     assert results == [([[0], [1]], [1, 0], [5, 6])] * 2
 
 
@@ -77,13 +60,13 @@ def test_a_replayed_rank_left_in_a_collective_hangs(case):
     other = {"missing": lambda r: None,
              "another kind": lambda r: r.all_reduce_min(None, [True]).result(),
              "another length": lambda r: r.all_gather(None, [1, 2])}[case]
-    results = _on_threads(world, lambda r: r.all_gather(None, [1]), other)
+    results = on_threads(lambda: world.rank(0).all_gather(None, [1]), lambda: other(world.rank(1)))
     assert isinstance(results[0], Hang)
 
 
 def test_a_replayed_meeting_a_rank_misses_ends_at_its_timeout():
     world = ReplayWorld(2)
-    assert _on_threads(world, lambda r: r.meet(None, "k", 1, timeout=0.2), lambda r: None)[0] is None
+    assert on_threads(lambda: world.rank(0).meet(None, "k", 1, timeout=0.2), lambda: None)[0] is None
 
 
 def test_a_replayed_row_must_fit_its_bits():
