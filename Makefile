@@ -42,12 +42,14 @@ $(VENV_LEGACY)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 # The sdist and wheel a user installs, built as `pip wheel .` builds (isolated, the wheel from the sdist) and failed on
 # any build warning; the wheel installed (not editable) into a fresh venv, where doctor and a 2-rank ZeRO-3 step run
 # from a directory outside the checkout (scripts/dist_smoke.py checks that the installed package is what ran).
-# PYTHONDONTWRITEBYTECODE is unset for the build only: setuptools warns that it cannot byte-compile under it.
+# PYTHONDONTWRITEBYTECODE is unset for the build only: setuptools warns that it cannot byte-compile under it. The
+# isolated build env takes CI's setuptools pin too (which `make lock` keeps), so a new setuptools cannot fail CI.
 dist:
 	rm -rf dist $(VENV_DIST)
 	$(PYTHON) -m venv $(VENV_DIST)
 	$(VENV_DIST)/bin/pip install -q -c $(CONSTRAINTS) build
-	env -u PYTHONDONTWRITEBYTECODE $(VENV_DIST)/bin/python -m build --outdir dist . > $(VENV_DIST)/build.log 2>&1 \
+	env -u PYTHONDONTWRITEBYTECODE PIP_CONSTRAINT=$(abspath $(CONSTRAINTS)) $(VENV_DIST)/bin/python -m build --outdir dist . \
+		> $(VENV_DIST)/build.log 2>&1 \
 		|| { cat $(VENV_DIST)/build.log; exit 1; }
 	@if grep -i warn $(VENV_DIST)/build.log; then echo 'make dist: the build warned (above)'; exit 1; fi
 	$(VENV_DIST)/bin/pip install -q $(TORCH_PIN)
@@ -108,7 +110,7 @@ test-floor:
 # libraries PyPI's torch brings.
 lock: $(VENV_NEWEST)/.green
 	{ sed -n '/^#/p' $(CONSTRAINTS); { grep -v -E '^(torch|nvidia-[^=]*|cuda-[^=]*)==' $(VENV_NEWEST)/resolved.txt; \
-		echo '$(TORCH_PIN)'; } | sort -f; } > $(CONSTRAINTS).new
+		grep '^setuptools==' $(CONSTRAINTS); echo '$(TORCH_PIN)'; } | sort -f; } > $(CONSTRAINTS).new
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 # Step time against stock in the same rounds: a dated table on top of .bench/RESULTS.md (about half an hour; a
